@@ -1,0 +1,200 @@
+// XLA FFI handlers: validate operands, fill the plain params, take scratch, launch on XLA's
+// stream. Every failure is an ffi::Error naming the operand; nothing aborts, nothing syncs.
+#include "ffi/attention_ffi.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "fa3/launch.h"
+
+namespace ffi = xla::ffi;
+
+namespace fa3 {
+namespace {
+
+std::string dims_str(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+ffi::Error invalid(const std::string& msg) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_fa3: " + msg);
+}
+
+// Element type of q; k, v (and the others passed) must match it.
+ffi::Error element_dtype(ffi::AnyBuffer q, DType* out) {
+  switch (q.element_type()) {
+    case ffi::DataType::BF16: *out = DType::kBF16; return ffi::Error::Success();
+    case ffi::DataType::F16: *out = DType::kFP16; return ffi::Error::Success();
+    default: return invalid("q must be bfloat16 or float16 for the Hopper kernel");
+  }
+}
+
+ffi::Error check_same(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer like, const char* like_name) {
+  if (x.element_type() != like.element_type())
+    return invalid(std::string(name) + " must have the dtype of " + like_name);
+  auto a = x.dimensions(), b = like.dimensions();
+  if (a.size() != b.size()) return invalid(std::string(name) + " must have the shape of " + like_name);
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i])
+      return invalid(std::string(name) + " has shape " + dims_str(a) + ", expected " + dims_str(b) +
+                     " like " + like_name);
+  return ffi::Error::Success();
+}
+
+// Shape of (q, k, v) as the kernels see it, checked.
+ffi::Error attention_shape(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
+                           AttentionShape* s) {
+  if (auto e = element_dtype(q, dtype); e.failure()) return e;
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4) return invalid("q must be (batch, seqlen_q, heads, head_dim), got " + dims_str(qd));
+  if (kd.size() != 4) return invalid("k must be (batch, seqlen_k, heads_kv, head_dim), got " + dims_str(kd));
+  if (k.element_type() != q.element_type()) return invalid("k must have the dtype of q");
+  if (auto e = check_same("v", v, k, "k"); e.failure()) return e;
+  s->batch = static_cast<int>(qd[0]);
+  s->seqlen_q = static_cast<int>(qd[1]);
+  s->heads_q = static_cast<int>(qd[2]);
+  s->head_dim = static_cast<int>(qd[3]);
+  s->seqlen_k = static_cast<int>(kd[1]);
+  s->heads_kv = static_cast<int>(kd[2]);
+  if (kd[0] != qd[0] || kd[3] != qd[3])
+    return invalid("k " + dims_str(kd) + " must match q " + dims_str(qd) + " in batch and head_dim");
+  if (s->heads_kv == 0 || s->heads_q % s->heads_kv != 0)
+    return invalid("heads of q (" + std::to_string(s->heads_q) + ") must be a multiple of heads of k (" +
+                   std::to_string(s->heads_kv) + ")");
+  if (s->seqlen_q < 1 || s->seqlen_k < 1 || s->batch < 1)
+    return invalid("batch and seqlens must be positive, got q " + dims_str(qd) + ", k " + dims_str(kd));
+  return ffi::Error::Success();
+}
+
+ffi::Error attention_options(float softmax_scale, float softcap, int32_t window_left,
+                             int32_t window_right, AttentionOptions* o) {
+  if (!(softcap >= 0.0f)) return invalid("softcap must be >= 0");
+  if (window_left < -kUnbounded || window_left > kUnbounded || window_right < -kUnbounded ||
+      window_right > kUnbounded)
+    return invalid("window bounds must lie in [-2^30, 2^30] (normalised by jax_fa3/_masks.py)");
+  o->softmax_scale = softmax_scale;
+  o->softcap = softcap;
+  o->window_left = window_left;
+  o->window_right = window_right;
+  return ffi::Error::Success();
+}
+
+ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string("jax_fa3: ") + what + ": " + cudaGetErrorString(err));
+}
+
+ffi::Error device_sms(int* num_sms) {
+  int device = 0;
+  if (auto err = cudaGetDevice(&device); err != cudaSuccess) return cuda_error("cudaGetDevice", err);
+  if (auto err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return cuda_error("cudaDeviceGetAttribute", err);
+  return ffi::Error::Success();
+}
+
+ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   float softmax_scale, float softcap, int32_t window_left, int32_t window_right) {
+  FwdParams p;
+  if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
+  if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
+    return e;
+  if (auto e = check_same("out", *out, q, "q"); e.failure()) return e;
+  auto ld = lse->dimensions();
+  if (ld.size() != 3 || ld[0] != p.shape.batch || ld[1] != p.shape.heads_q || ld[2] != p.shape.seqlen_q)
+    return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
+  if (!fwd_compiled(p.dtype, p.shape.head_dim))
+    return invalid("no forward kernel compiled for head_dim " + std::to_string(p.shape.head_dim) +
+                   " and this dtype (see jax_fa3.build_info())");
+  if (auto e = device_sms(&p.num_sms); e.failure()) return e;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  if (auto err = run_fwd(p, stream); err != cudaSuccess) return cuda_error("forward launch", err);
+  return ffi::Error::Success();
+}
+
+ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                   ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                   ffi::Buffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale,
+                   float softcap, int32_t window_left, int32_t window_right, bool deterministic) {
+  BwdParams p;
+  if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
+  if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
+    return e;
+  if (auto e = check_same("out", out, q, "q"); e.failure()) return e;
+  if (auto e = check_same("dout", dout, q, "q"); e.failure()) return e;
+  if (auto e = check_same("dq", *dq, q, "q"); e.failure()) return e;
+  if (auto e = check_same("dk", *dk, k, "k"); e.failure()) return e;
+  if (auto e = check_same("dv", *dv, v, "v"); e.failure()) return e;
+  auto ld = lse.dimensions();
+  if (ld.size() != 3 || ld[0] != p.shape.batch || ld[1] != p.shape.heads_q || ld[2] != p.shape.seqlen_q)
+    return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
+  if (!bwd_compiled(p.dtype, p.shape.head_dim))
+    return invalid("no backward kernel compiled for head_dim " + std::to_string(p.shape.head_dim) +
+                   " and this dtype (see jax_fa3.build_info())");
+  if (auto e = device_sms(&p.num_sms); e.failure()) return e;
+  p.deterministic = deterministic;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse = lse.typed_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  if (size_t bytes = bwd_workspace_bytes(p); bytes > 0) {
+    auto ws = scratch.Allocate(bytes, 256);
+    if (!ws.has_value())
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jax_fa3: could not allocate " + std::to_string(bytes) + " bytes of backward scratch");
+    p.workspace = *ws;
+  }
+  if (auto err = run_bwd(p, stream); err != cudaSuccess) return cuda_error("backward launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    fa3_fwd, fa3::FwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this op
+        .Arg<ffi::AnyBuffer>()                     // q    (b, sq, hq, d)
+        .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d)
+        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, d)
+        .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, d)
+        .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
+        .Attr<float>("softmax_scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    fa3_bwd, fa3::BwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this op
+        .Ctx<ffi::ScratchAllocator>()              // dQ accumulator and row sums
+        .Arg<ffi::AnyBuffer>()                     // q    (b, sq, hq, d)
+        .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d)
+        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, d)
+        .Arg<ffi::AnyBuffer>()                     // out  (b, sq, hq, d)
+        .Arg<ffi::AnyBuffer>()                     // dout (b, sq, hq, d)
+        .Arg<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
+        .Ret<ffi::AnyBuffer>()                     // dq   (b, sq, hq, d)
+        .Ret<ffi::AnyBuffer>()                     // dk   (b, sk, hkv, d)
+        .Ret<ffi::AnyBuffer>()                     // dv   (b, sk, hkv, d)
+        .Attr<float>("softmax_scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right")
+        .Attr<bool>("deterministic"));

@@ -1,0 +1,34 @@
+// Launch entry points: one per direction, dispatching on (dtype, head_dim) to the compiled
+// instantiations. Host code; no CUDA kernel code and no XLA types.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "fa3/params.h"
+
+namespace fa3 {
+
+// Whether an instantiation for this (dtype, head_dim) was compiled into this build.
+bool fwd_compiled(DType dtype, int head_dim);
+bool bwd_compiled(DType dtype, int head_dim);
+
+// Enqueue the forward kernel(s) on `stream`. Never synchronises, never allocates.
+cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+
+// Bytes of scratch the backward needs for these params (the fp32 dQ accumulator and
+// softmax-derivative row sums); the caller allocates and sets params.workspace.
+size_t bwd_workspace_bytes(const BwdParams& params);
+cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
+
+// Templates each instantiation file defines for one (Element, HeadDim); Element is
+// cutlass::bfloat16_t or cutlass::half_t.
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd_impl(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+size_t bwd_workspace_bytes_impl(const BwdParams& params);
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_impl(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace fa3

@@ -1,0 +1,71 @@
+// Plain-data parameters of the attention kernels. The FFI layer fills these; kernels read them.
+// No JAX/XLA and no CuTe types here, so every layer can include it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace fa3 {
+
+enum class DType : int { kBF16 = 0, kFP16 = 1 };
+
+// Shapes shared by forward and backward. Tensors are dense row-major:
+//   q, out, dout, dq : (batch, seqlen_q, heads_q,  head_dim)
+//   k, v, dk, dv     : (batch, seqlen_k, heads_kv, head_dim)
+//   lse              : (batch, heads_q, seqlen_q) float32
+// GQA/MQA: query head h reads key/value head h / (heads_q / heads_kv).
+struct AttentionShape {
+  int batch = 0;
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int heads_q = 0;
+  int heads_kv = 0;
+  int head_dim = 0;
+};
+
+// Masking and scaling options. The mask is a band around the bottom-right-aligned diagonal:
+//   query i sees key j  iff  -window_left <= j - i - (seqlen_k - seqlen_q) <= window_right.
+// Bounds are already normalised by Python (jax_fa3/_masks.py): causal is window_right = 0, an
+// unbounded side is kUnbounded, and bounds may be negative (ring attention shifts the diagonal),
+// so some query rows may see no key at all: their out is 0 and their lse is -inf.
+constexpr int kUnbounded = 1 << 30;
+
+struct AttentionOptions {
+  float softmax_scale = 1.0f;
+  float softcap = 0.0f;  // 0: off; else scores become softcap * tanh(scores / softcap)
+  int window_left = kUnbounded;
+  int window_right = kUnbounded;
+};
+
+struct FwdParams {
+  AttentionShape shape;
+  AttentionOptions opts;
+  DType dtype = DType::kBF16;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;
+  int num_sms = 0;  // multiprocessors of the device, for the persistent grid
+};
+
+struct BwdParams {
+  AttentionShape shape;
+  AttentionOptions opts;
+  DType dtype = DType::kBF16;
+  bool deterministic = false;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* out = nullptr;
+  const void* dout = nullptr;
+  const float* lse = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  // Scratch from the FFI ScratchAllocator, sized by bwd_workspace_bytes().
+  void* workspace = nullptr;
+  int num_sms = 0;
+};
+
+}  // namespace fa3

@@ -1,0 +1,68 @@
+"""Registration of the Hopper kernels' FFI targets, and whether they can run here.
+
+The compiled module `jax_fa3._fa3_cuda` exists only when the package was built with a CUDA
+toolkit; without it everything runs on the portable path and `unavailable_reason` says why.
+Targets are registered once, at import.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+try:
+    from jax_fa3 import _fa3_cuda
+except ImportError as _err:  # built without CUDA, or the import failed
+    _fa3_cuda = None
+    _IMPORT_ERROR: str | None = f"{type(_err).__name__}: {_err}"
+else:
+    _IMPORT_ERROR = None
+    for _name, _capsule in _fa3_cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+FWD_TARGET = "jax_fa3_fwd"
+BWD_TARGET = "jax_fa3_bwd"
+
+
+def is_built() -> bool:
+    """True when the CUDA extension was compiled and imported."""
+    return _fa3_cuda is not None
+
+
+def build_info() -> dict | None:
+    """What the extension holds: compiled `(dtype, head_dim)` per direction, CUDA and CUTLASS
+    versions, arch. None when it was not built."""
+    if _fa3_cuda is None:
+        return None
+    info = dict(_fa3_cuda.build_info())
+    info["fwd"] = [tuple(c) for c in info["fwd"]]
+    info["bwd"] = [tuple(c) for c in info["bwd"]]
+    return info
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason() -> str | None:
+    """Why the default device cannot run sm_90a kernels, or None if it can."""
+    if jax.default_backend() != "gpu":
+        return f"the default JAX backend is {jax.default_backend()!r}, not an NVIDIA GPU"
+    device = jax.devices()[0]
+    if getattr(device, "platform", "") != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
+        return f"device {device} is not an NVIDIA GPU"
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None and str(cc) != "9.0":
+        return f"device {device.device_kind} has compute capability {cc}; the kernels need 9.0 (Hopper)"
+    return None
+
+
+def unavailable_reason(direction: str, dtype, head_dim: int) -> str | None:
+    """None when the kernel for `direction` ('fwd' or 'bwd') can run this dtype and head dim
+    on the default device; otherwise a sentence saying why not."""
+    if _fa3_cuda is None:
+        return f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})"
+    name = jax.numpy.dtype(dtype).name
+    compiled = build_info()[direction]
+    if (name, int(head_dim)) not in compiled:
+        return (f"no {direction} kernel compiled for dtype {name} and head_dim {head_dim} "
+                f"(compiled: {compiled or 'none'})")
+    return _device_reason()

@@ -1,0 +1,22 @@
+"""The one place where the public mask options become the kernels' band.
+
+Internally a mask is a pair of ints (left, right): query i sees key j iff
+    -left <= j - i - (seqlen_k - seqlen_q) <= right
+(the diagonal is bottom-right aligned, as in FlashAttention 2.1+). An unbounded side is
+UNBOUNDED; bounds may be negative (ring attention shifts the diagonal between chunks).
+"""
+
+from __future__ import annotations
+
+UNBOUNDED = 1 << 30  # fa3::kUnbounded in cpp/include/fa3/params.h
+
+
+def band(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
+    """(left, right) of the public `causal` and `window_size=(left, right)` (-1 = unbounded)."""
+    left, right = window_size
+    left = UNBOUNDED if left < 0 else min(int(left), UNBOUNDED)
+    right = UNBOUNDED if right < 0 else min(int(right), UNBOUNDED)
+    if causal:
+        right = min(right, 0)
+    return left, right
+
