@@ -1,0 +1,235 @@
+"""Side-by-side attention benchmark on one GPU: jax_fa3, cuDNN, plain XLA and FlashAttention-3.
+
+Implementations (all called from JAX, all in this one process):
+  jax_fa3  jax_fa3.flash_attention(..., implementation="cuda")
+  cudnn    jax.nn.dot_product_attention(..., implementation="cudnn")
+  xla      jax.nn.dot_product_attention(..., implementation="xla")  (dense; skipped above --xla-max-seqlen)
+  fa3      flash_attn3_jax.flash_mha (FA3's own kernels; head dim 128; only when importable)
+
+Grid (the FA3 paper's): batch * seqlen = --tokens (16384), heads * head_dim = --hidden (2048),
+seqlen 512..16384, causal and not, head dims 64/128/256.
+FLOPs: forward 4 * batch * heads * unmasked_pairs * head_dim; backward 2.5x that.
+
+How it times: each measurement jit-compiles a `lax.fori_loop` of N dependent calls (each
+iteration feeds one element of its output back into q, so XLA can neither hoist nor drop a
+call), so Python dispatch is out of the figure. After a warm-up run, N is chosen so one loop
+takes about --target-ms; the loop runs --repeats times and the median time / N is reported.
+Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the pullback
+(its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
+(never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
+
+Writes <out>/<date>-<gpu>.json ({"date", "gpu", "jax", "cuda", "records": [...]}), a markdown
+table with ratios to each peer (<out>/<date>-<gpu>.md), and a PNG plot per head dim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def unmasked_pairs(seqlen: int, causal: bool) -> int:
+    return seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
+
+
+def attention_fn(impl: str, causal: bool):
+    """A function (q, k, v) -> out for `impl`, or raise if it cannot be built here."""
+    if impl == "jax_fa3":
+        import jax_fa3
+        return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal, implementation="cuda")
+    if impl in ("cudnn", "xla"):
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+    if impl == "fa3":
+        from flash_attn3_jax import flash_mha
+        return lambda q, k, v: flash_mha(q, k, v, is_causal=causal)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _feed_back(q, out):
+    """q with one element nudged by out (times zero): a data dependence between iterations."""
+    nudge = (out[0, 0, 0, 0] * 0).astype(q.dtype)
+    return q.at[0, 0, 0, 0].add(nudge)
+
+
+def make_loop(fn, direction: str, q, k, v):
+    """A jitted (n, ...) -> result running `direction` of fn n times back to back."""
+    if direction == "fwd":
+        @jax.jit
+        def loop(n, q, k, v):
+            def body(_, q):
+                return _feed_back(q, fn(q, k, v))
+            return jax.lax.fori_loop(0, n, body, q)
+        return lambda n: loop(n, q, k, v)
+
+    _, pullback = jax.vjp(fn, q, k, v)
+    dout = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
+
+    @jax.jit
+    def loop(n, pullback, dout):
+        def body(_, dout):
+            dq, _, _ = pullback(dout)
+            return _feed_back(dout, dq)
+        return jax.lax.fori_loop(0, n, body, dout)
+    return lambda n: loop(n, pullback, dout)
+
+
+def time_ms(run, target_ms: float, repeats: int) -> float:
+    """Median milliseconds per call of run(n)."""
+    jax.block_until_ready(run(1))  # compile and warm up
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(2))
+    per_call = max((time.perf_counter() - t0) * 1e3 / 2, 1e-3)
+    n = int(min(max(target_ms / per_call, 3), 2000))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(n))
+        samples.append((time.perf_counter() - t0) * 1e3 / n)
+    return statistics.median(samples)
+
+
+def gpu_name() -> str:
+    return jax.devices()[0].device_kind.replace(" ", "-")
+
+
+def cuda_version() -> str:
+    try:
+        from jax._src.lib import cuda_versions  # version of the plugin JAX runs on
+        return str(cuda_versions.cuda_runtime_get_version())
+    except Exception:  # noqa: BLE001 - informational only
+        return "unknown"
+
+
+def run_grid(args) -> list[dict]:
+    dtype = jnp.dtype(args.dtype)
+    records = []
+    for head_dim in args.head_dims:
+        heads = args.hidden // head_dim
+        for seqlen in args.seqlens:
+            batch = max(args.tokens // seqlen, 1)
+            kq, kk, kv = jax.random.split(jax.random.key(seqlen * 1000 + head_dim), 3)
+            shape = (batch, seqlen, heads, head_dim)
+            q, k, v = (jax.random.normal(key, shape, dtype) for key in (kq, kk, kv))
+            for causal in args.causal:
+                for direction in args.directions:
+                    for impl in args.impls:
+                        if impl == "xla" and seqlen > args.xla_max_seqlen:
+                            continue
+                        if impl == "fa3" and head_dim != 128:
+                            continue
+                        rec = dict(impl=impl, dtype=dtype.name, head_dim=head_dim, seqlen=seqlen,
+                                   batch=batch, heads=heads, causal=causal, direction=direction)
+                        try:
+                            fn = attention_fn(impl, causal)
+                            ms = time_ms(make_loop(fn, direction, q, k, v), args.target_ms, args.repeats)
+                        except Exception as err:  # noqa: BLE001 - a peer that cannot run this point
+                            print(f"  {impl:8s} {direction} hd{head_dim} s{seqlen} causal={causal}: "
+                                  f"unsupported ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
+                                  flush=True)
+                            continue
+                        flops = 4 * batch * heads * unmasked_pairs(seqlen, causal) * head_dim
+                        flops *= 2.5 if direction == "bwd" else 1.0
+                        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                        records.append(rec)
+                        print(f"  {impl:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{batch:2d} h{heads:2d} "
+                              f"causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)
+    return records
+
+
+def markdown(records: list[dict], header: str) -> str:
+    """One row per (direction, head dim, causal, seqlen); TFLOP/s per impl and jax_fa3's ratios."""
+    impls = [i for i in ("jax_fa3", "cudnn", "fa3", "xla") if any(r["impl"] == i for r in records)]
+    peers = [i for i in impls if i != "jax_fa3"]
+    cols = ["dir", "hd", "causal", "seqlen"] + impls + [f"vs {p}" for p in peers]
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    keys = sorted({(r["direction"], r["head_dim"], r["causal"], r["seqlen"]) for r in records})
+    for key in keys:
+        by = {r["impl"]: r["tflops"] for r in records
+              if (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
+        row = [key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])]
+        row += [f"{by[i]:.1f}" if i in by else "-" for i in impls]
+        row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by else "-" for p in peers]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = sorted({(r["direction"], r["causal"], r["head_dim"]) for r in records})
+    cols = max(1, len({p[2] for p in panels}))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
+    for ax, (direction, causal, hd) in zip(axes.flat, panels):
+        for impl in ("jax_fa3", "cudnn", "fa3", "xla"):
+            pts = sorted((r["seqlen"], r["tflops"]) for r in records if r["impl"] == impl
+                         and (r["direction"], r["causal"], r["head_dim"]) == (direction, causal, hd))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{direction} hd{hd} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--impls", nargs="+", default=["jax_fa3", "cudnn", "fa3", "xla"])
+    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
+    p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"], choices=["fwd", "bwd"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
+    p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
+    p.add_argument("--xla-max-seqlen", type=int, default=2048)
+    p.add_argument("--target-ms", type=float, default=40.0)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    args.causal = [bool(c) for c in args.causal]
+    if jax.default_backend() != "gpu":
+        print(f"bench_attention: needs a GPU (backend is {jax.default_backend()})", file=sys.stderr)
+        return 2
+
+    date = dt.date.today().isoformat()
+    meta = dict(date=date, gpu=gpu_name(), jax=jax.__version__, cuda=cuda_version())
+    print(f"bench_attention: {meta}", flush=True)
+    try:
+        import jax_fa3
+        meta["jax_fa3_build"] = jax_fa3.build_info()
+    except Exception as err:  # noqa: BLE001
+        meta["jax_fa3_build"] = f"unavailable: {err}"
+    records = run_grid(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{date}-{meta['gpu']}"
+    stem.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
+    header = (f"# Attention benchmark, {date}, {meta['gpu']}, jax {meta['jax']}, {args.dtype}, "
+              f"batch*seqlen={args.tokens}, heads*head_dim={args.hidden} (TFLOP/s; ratios = jax_fa3 / peer)")
+    table = markdown(records, header)
+    stem.with_suffix(".md").write_text(table)
+    if records:
+        plot(records, stem.with_suffix(".png"))
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

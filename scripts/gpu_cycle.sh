@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One build-test-benchmark cycle on a Hopper machine without internet, as one command:
+#   scripts/gpu_cycle.sh OUT_DIR
+# 1. installs the local wheels in $WHEELS (default .whl: nvidia-cutlass, flash-attn3-jax) into
+#    /tmp/site, 2. builds and installs jax_fa3 with all cores (no build isolation; CUTLASS from the
+#    wheel or $CUTLASS_DIR), 3. summarises the SASS (HGMMA count, local-memory spills),
+#    4. runs `pytest -m gpu`, 5. runs the side-by-side benchmark.
+# Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
+# PYTEST_ARGS (default "-m gpu"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
+# SKIP_TESTS=1, SKIP_BENCH=1. Leaves at most 7 files in OUT_DIR (the device tool returns 8).
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_cycle.sh OUT_DIR}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+status=0
+
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export CUTLASS_DIR=${CUTLASS_DIR:-/tmp/site/cutlass_library/source/include}
+
+echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default})"
+t0=$(date +%s)
+FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+  python3 -m pip install -v --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1
+if [ $? -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1; fi
+echo "built in $(( $(date +%s) - t0 )) s"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -P -c "import jax, jax_fa3; print('jax', jax.__version__, jax.devices()); print(jax_fa3.build_info())"
+  so=$(python3 -P -c "import jax_fa3._fa3_cuda as m; print(m.__file__)")
+  echo "== ptxas (kernels: registers, spills)"
+  grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/^ *//' | sort | uniq -c | head -80
+  echo "== SASS: HGMMA / local-memory instructions per kernel"
+  cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) printf "%s HGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}'
+} >"$OUT/info.txt" 2>&1
+cat "$OUT/info.txt" | head -60
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  echo "== pytest ${PYTEST_ARGS:--m gpu}"
+  python3 -P -m pytest ${PYTEST_ARGS:--m gpu} -q -x --no-header -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo "== benchmark ${BENCH_ARGS:-}"
+  python3 -P benchmarks/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status
