@@ -1,0 +1,50 @@
+"""Pytest setup: the `gpu` and `multigpu` markers skip with the reason the kernels cannot run.
+
+x64 stays off globally: the float64 oracle in tests/helpers.py is numpy. Tests that need JAX
+float64 (the JAX reference in float64) use the `x64` fixture, which enables it only for them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+# `import helpers` from any test module, wherever pytest is started.
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def _gpu_reason() -> str | None:
+    from jax_fa3 import _ffi
+    return _ffi.unavailable_reason("fwd", jnp.bfloat16, 128)
+
+
+def _multigpu_reason() -> str | None:
+    reason = _gpu_reason()
+    if reason is not None:
+        return reason
+    n = len(jax.devices())
+    return None if n >= 2 else f"needs 2 or more GPUs, found {n}"
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = {}
+    for item in items:
+        for marker, check in (("multigpu", _multigpu_reason), ("gpu", _gpu_reason)):
+            if item.get_closest_marker(marker) is None:
+                continue
+            if marker not in reasons:
+                reasons[marker] = check()
+            if reasons[marker] is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{marker}: {reasons[marker]}"))
+                break
+
+
+@pytest.fixture
+def x64():
+    """Enable float64 in JAX for one test only."""
+    with jax.enable_x64(True):
+        yield

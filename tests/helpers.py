@@ -1,0 +1,240 @@
+"""Shared test helpers: random inputs, the float64 numpy oracle, the plain-XLA baseline and the
+error-ratio check of DESIGN.md ("error vs the float64 reference <= 2x the error of plain
+attention computed in the input dtype, plus a small slack").
+
+The oracle is numpy float64 so no test needs `jax_enable_x64`. Mask options follow
+jax_fa3/_masks.py: a band (left, right) around the bottom-right-aligned diagonal, where query i
+sees key j iff  -left <= j - i - (seqlen_k - seqlen_q) <= right.  Every helper takes either the
+public options (`causal`, `window_size`) or the normalised `left`/`right` directly (ring tests
+use shifted bands with negative bounds).
+
+GPU kernel tests import this module; keep its signatures stable.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+UNBOUNDED = 1 << 30  # jax_fa3._masks.UNBOUNDED; repeated so the helpers import nothing of ours
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def random_qkv(key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, scale=1.0):
+    """Fresh standard-normal (q, k, v) in `dtype`; q is multiplied by `scale`, so logits
+    (with the default softmax scale) have standard deviation about `scale`: scale > 1 gives
+    large logits and peaked softmaxes."""
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (batch, seqlen_q, heads_q, head_dim), jnp.float32) * scale
+    k = jax.random.normal(kk, (batch, seqlen_k, heads_kv, head_dim), jnp.float32)
+    v = jax.random.normal(kv, (batch, seqlen_k, heads_kv, head_dim), jnp.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def random_like(key, x, scale=1.0):
+    """Standard-normal array with the shape and dtype of `x` (e.g. an output cotangent)."""
+    return (jax.random.normal(key, x.shape, jnp.float32) * scale).astype(x.dtype)
+
+
+def poison_like(x):
+    """An array shaped like `x` filled with NaN: use it where a buffer must be fully
+    overwritten, then `assert_finite` the result."""
+    return jnp.full(x.shape, jnp.nan, dtype=x.dtype)
+
+
+def assert_finite(name, x, allow_neg_inf=False):
+    """Every element of `x` is finite (or -inf where allowed, as in the LSE of fully masked
+    rows): catches unwritten poisoned elements and NaN/Inf leaks."""
+    a = _f64(x)
+    bad = np.isnan(a) | (np.isposinf(a)) | (np.isneginf(a) & (not allow_neg_inf))
+    if bad.any():
+        idx = np.argwhere(bad)[:5].tolist()
+        raise AssertionError(f"{name}: {int(bad.sum())} of {a.size} elements are NaN/Inf "
+                             f"(first at {idx}); shape {a.shape}")
+
+
+# ----------------------------------------------------------------------------- masks
+
+def resolve_band(seqlen_q=None, seqlen_k=None, *, causal=False, window_size=(-1, -1),
+                 left=None, right=None):
+    """(left, right) from the public options, or the given left/right when set."""
+    if left is not None or right is not None:
+        return (UNBOUNDED if left is None else int(left)), (UNBOUNDED if right is None else int(right))
+    wl, wr = window_size
+    wl = UNBOUNDED if wl < 0 else int(wl)
+    wr = UNBOUNDED if wr < 0 else int(wr)
+    if causal:
+        wr = min(wr, 0)
+    return wl, wr
+
+
+def band_mask(seqlen_q, seqlen_k, left, right):
+    """Boolean (seqlen_q, seqlen_k): True where query i may see key j."""
+    i = np.arange(seqlen_q)[:, None]
+    j = np.arange(seqlen_k)[None, :]
+    rel = j - i - (seqlen_k - seqlen_q)
+    return (rel >= -left) & (rel <= right)
+
+
+def _f64(x):
+    """Any array (jax, numpy, bf16 via ml_dtypes) as numpy float64, without going through
+    jnp (which would drop float64 to float32 when x64 is off)."""
+    return np.asarray(x).astype(np.float64)
+
+
+def _expand_kv(x, heads_q):
+    """(b, s, hkv, d) -> (b, s, hq, d): query head h reads kv head h // (hq // hkv)."""
+    return np.repeat(x, heads_q // x.shape[2], axis=2)
+
+
+def _sum_groups(x, heads_kv):
+    """(b, s, hq, d) -> (b, s, hkv, d): sum the query heads of each kv group."""
+    b, s, hq, d = x.shape
+    return x.reshape(b, s, heads_kv, hq // heads_kv, d).sum(axis=3)
+
+
+# ----------------------------------------------------------------------------- oracle
+
+def _scores_f64(q, k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                left=None, right=None, bias=None, mask=None):
+    """Scores (b, hq, sq, sk) in float64, the allowed mask, and tanh(raw/softcap) or None."""
+    q, k = _f64(q), _expand_kv(_f64(k), q.shape[2])
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    t = None
+    if softcap:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if bias is not None:
+        s = s + np.broadcast_to(_f64(bias), s.shape)
+    lo, hi = resolve_band(causal=causal, window_size=window_size, left=left, right=right)
+    allowed = np.broadcast_to(band_mask(sq, sk, lo, hi), s.shape)
+    if mask is not None:
+        allowed = allowed & np.broadcast_to(np.asarray(mask, bool), s.shape)
+    return s, allowed, t, scale
+
+
+def reference_f64(q, k, v, **opts):
+    """Dense attention in numpy float64: (out (b, sq, hq, d), lse (b, hq, sq)).
+
+    opts: softmax_scale, causal, window_size, softcap, left, right (override the band),
+    bias and mask (broadcastable to (b, hq, sq, sk), added/applied after softcap).
+    Fully masked rows give out 0 and lse -inf."""
+    s, allowed, _, _ = _scores_f64(q, k, **opts)
+    v = _expand_kv(_f64(v), s.shape[1])
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(allowed, np.exp(s - m_safe), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1.0), v)
+    with np.errstate(divide="ignore"):
+        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
+    return out, lse
+
+
+def reference_grads_f64(q, k, v, dout, dlse=None, **opts):
+    """Exact float64 gradients (dq, dk, dv) of `reference_f64` for the output cotangent
+    `dout` (and optionally an LSE cotangent `dlse` (b, hq, sq))."""
+    s, allowed, t, scale = _scores_f64(q, k, **opts)
+    hq, hkv = q.shape[2], k.shape[2]
+    q64, k64, v64 = _f64(q), _expand_kv(_f64(k), hq), _expand_kv(_f64(v), hq)
+    do = _f64(dout)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(allowed, np.exp(s - m_safe), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)  # normalised probabilities
+    out = np.einsum("bhqk,bkhd->bqhd", p, v64)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v64)
+    delta = np.einsum("bqhd,bqhd->bhq", do, out)[..., None]
+    g = dp - delta
+    if dlse is not None:
+        g = g + _f64(dlse)[..., None]
+    ds = p * g
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k64) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q64) * scale
+    return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
+
+
+# ----------------------------------------------------------------------------- baseline
+
+def _plain(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+           left=None, right=None):
+    """Dense attention done naively in the input dtype (scores, softmax and products all
+    rounded to q.dtype): the baseline whose error sets the tolerance."""
+    dtype = q.dtype
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    k = jnp.repeat(k, hq // k.shape[2], axis=2)
+    v = jnp.repeat(v, hq // v.shape[2], axis=2)
+    scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(dtype) * jnp.asarray(scale, dtype)
+    if softcap:
+        s = jnp.asarray(softcap, dtype) * jnp.tanh(s / jnp.asarray(softcap, dtype))
+    lo, hi = resolve_band(causal=causal, window_size=window_size, left=left, right=right)
+    allowed = jnp.asarray(band_mask(sq, sk, lo, hi))
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jax.lax.stop_gradient(s.max(axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0).astype(dtype)
+    p = jnp.where(allowed, jnp.exp(s - m), 0).astype(dtype)
+    l = p.sum(axis=-1, keepdims=True).astype(dtype)
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1)[..., 0]), -jnp.inf)
+    p = (p / jnp.where(l > 0, l, 1)).astype(dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(dtype)
+    return out, lse.astype(jnp.float32)
+
+
+def plain_in_dtype(q, k, v, return_lse=False, **opts):
+    """The baseline output (and its LSE as float32 when `return_lse`)."""
+    out, lse = _plain(q, k, v, **opts)
+    return (out, lse) if return_lse else out
+
+
+def plain_grads_in_dtype(q, k, v, dout, **opts):
+    """Gradients (dq, dk, dv) of the baseline, by autodiff in the input dtype."""
+    _, vjp = jax.vjp(lambda q, k, v: _plain(q, k, v, **opts)[0], q, k, v)
+    return vjp(dout.astype(q.dtype))
+
+
+# ----------------------------------------------------------------------------- the check
+
+def error_of(got, ref):
+    """max |got - ref| over the elements where ref is finite (float64)."""
+    got, ref = _f64(got), _f64(ref)
+    fin = np.isfinite(ref)
+    return float(np.abs(got[fin] - ref[fin]).max()) if fin.any() else 0.0
+
+
+def assert_error_ratio(name, got, ref, baseline, ratio=2.0, slack=None):
+    """err(got) <= ratio * err(baseline) + slack, errors measured as max abs deviation from
+    the float64 `ref`. Non-finite entries of `ref` (LSE -inf of fully masked rows) must be
+    matched exactly by `got`. Default slack: one unit in the last place of the output dtype
+    at the largest reference magnitude."""
+    ref64 = _f64(ref)
+    got64 = _f64(got)
+    if got64.shape != ref64.shape:
+        raise AssertionError(f"{name}: shape {got64.shape}, expected {ref64.shape}")
+    nonfinite = ~np.isfinite(ref64)
+    if (got64[nonfinite] != ref64[nonfinite]).any() or np.isnan(got64).any():
+        raise AssertionError(f"{name}: non-finite entries differ from the reference "
+                             f"(NaN in got: {int(np.isnan(got64).sum())}, "
+                             f"ref non-finite: {int(nonfinite.sum())})")
+    if not np.isfinite(got64[~nonfinite]).all():
+        raise AssertionError(f"{name}: Inf where the reference is finite")
+    scale = float(np.abs(ref64[~nonfinite]).max()) if (~nonfinite).any() else 0.0
+    if slack is None:
+        slack = float(jnp.finfo(np.asarray(got).dtype).eps) * max(scale, 1e-3)
+    err, base = error_of(got64, ref64), error_of(baseline, ref64)
+    bound = ratio * base + slack
+    assert err <= bound, (f"{name}: error {err:.3e} > {ratio} x baseline error {base:.3e} "
+                          f"+ slack {slack:.1e} (= {bound:.3e}); max |ref| = {scale:.3e}")
+    return err, base
