@@ -18,6 +18,10 @@ Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
 (never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
 
+Each implementation's result (out, or dq for the backward) is compared with the first
+implementation's at the same point; one further than --max-rel-err is flagged as suspect in the
+JSON, the table and the log (its time is not a valid figure).
+
 Writes <out>/<date>-<gpu>.json ({"date", "gpu", "jax", "cuda", "records": [...]}), a markdown
 table with ratios to each peer (<out>/<date>-<gpu>.md), and a PNG plot per head dim.
 """
@@ -62,14 +66,15 @@ def _feed_back(q, out):
 
 
 def make_loop(fn, direction: str, q, k, v):
-    """A jitted (n, ...) -> result running `direction` of fn n times back to back."""
+    """(run, once): run(n) runs `direction` of fn n times back to back in one jitted loop;
+    once() returns one result (out, or dq for the backward) for the cross-check."""
     if direction == "fwd":
         @jax.jit
         def loop(n, q, k, v):
             def body(_, q):
                 return _feed_back(q, fn(q, k, v))
             return jax.lax.fori_loop(0, n, body, q)
-        return lambda n: loop(n, q, k, v)
+        return (lambda n: loop(n, q, k, v)), (lambda: jax.jit(fn)(q, k, v))
 
     _, pullback = jax.vjp(fn, q, k, v)
     dout = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
@@ -80,7 +85,12 @@ def make_loop(fn, direction: str, q, k, v):
             dq, _, _ = pullback(dout)
             return _feed_back(dout, dq)
         return jax.lax.fori_loop(0, n, body, dout)
-    return lambda n: loop(n, pullback, dout)
+    return (lambda n: loop(n, pullback, dout)), (lambda: jax.jit(lambda p, d: p(d)[0])(pullback, dout))
+
+
+def relative_error(x, ref) -> float:
+    x, ref = x.astype(jnp.float32), ref.astype(jnp.float32)
+    return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
 def time_ms(run, target_ms: float, repeats: int) -> float:
@@ -122,6 +132,7 @@ def run_grid(args) -> list[dict]:
             q, k, v = (jax.random.normal(key, shape, dtype) for key in (kq, kk, kv))
             for causal in args.causal:
                 for direction in args.directions:
+                    reference = None  # the first result of this point: the others must match it
                     for impl in args.impls:
                         if impl == "xla" and seqlen > args.xla_max_seqlen:
                             continue
@@ -131,7 +142,9 @@ def run_grid(args) -> list[dict]:
                                    batch=batch, heads=heads, causal=causal, direction=direction)
                         try:
                             fn = attention_fn(impl, causal)
-                            ms = time_ms(make_loop(fn, direction, q, k, v), args.target_ms, args.repeats)
+                            run, once = make_loop(fn, direction, q, k, v)
+                            result = once()
+                            ms = time_ms(run, args.target_ms, args.repeats)
                         except Exception as err:  # noqa: BLE001 - a peer that cannot run this point
                             print(f"  {impl:8s} {direction} hd{head_dim} s{seqlen} causal={causal}: "
                                   f"unsupported ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
@@ -140,6 +153,16 @@ def run_grid(args) -> list[dict]:
                         flops = 4 * batch * heads * unmasked_pairs(seqlen, causal) * head_dim
                         flops *= 2.5 if direction == "bwd" else 1.0
                         rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+                        if reference is None:
+                            reference = (impl, result)
+                        else:
+                            err = relative_error(result, reference[1])
+                            rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
+                            if not err < args.max_rel_err:  # a wrong result's speed means nothing
+                                rec["suspect"] = True
+                                print(f"  WARNING {impl} {direction} differs from {reference[0]} by "
+                                      f"{err:.3g} (relative): its time is not a valid figure", flush=True)
+                        del result
                         records.append(rec)
                         print(f"  {impl:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{batch:2d} h{heads:2d} "
                               f"causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)
@@ -157,7 +180,9 @@ def markdown(records: list[dict], header: str) -> str:
         by = {r["impl"]: r["tflops"] for r in records
               if (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
         row = [key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])]
-        row += [f"{by[i]:.1f}" if i in by else "-" for i in impls]
+        suspect = {r["impl"] for r in records if r.get("suspect")
+                   and (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
+        row += [f"{by[i]:.1f}{' (wrong result)' if i in suspect else ''}" if i in by else "-" for i in impls]
         row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by else "-" for p in peers]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
@@ -192,7 +217,8 @@ def plot(records: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--impls", nargs="+", default=["jax_fa3", "cudnn", "fa3", "xla"])
+    p.add_argument("--impls", nargs="+", default=["cudnn", "jax_fa3", "fa3", "xla"],
+                   help="the first that runs a point is the reference the others are checked against")
     p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128, 256])
     p.add_argument("--seqlens", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1])
@@ -203,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--xla-max-seqlen", type=int, default=2048)
     p.add_argument("--target-ms", type=float, default=40.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-rel-err", type=float, default=0.02,
+                   help="results further than this from the first implementation's are flagged suspect")
     args = p.parse_args(argv)
     args.causal = [bool(c) for c in args.causal]
     if jax.default_backend() != "gpu":
