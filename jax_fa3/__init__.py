@@ -1,0 +1,25 @@
+"""jax-fa3: FlashAttention-3 for JAX on Hopper, with a portable pure-JAX path.
+
+    from jax_fa3 import flash_attention, dot_product_attention
+    out = flash_attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
+
+`build_info()` says what the CUDA extension holds (None when it is not built);
+`unavailable_reason(direction, dtype, head_dim)` says why a kernel cannot run here.
+"""
+
+from jax_fa3._ffi import build_info, is_built
+from jax_fa3.attention import (
+    dot_product_attention,
+    flash_attention,
+    kernel_available,
+    unavailable_reason,
+)
+
+__all__ = [
+    "flash_attention",
+    "dot_product_attention",
+    "build_info",
+    "is_built",
+    "kernel_available",
+    "unavailable_reason",
+]

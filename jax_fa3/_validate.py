@@ -1,0 +1,141 @@
+"""Input validation for the public API, in one place.
+
+Everything here looks only at static shapes, dtypes and Python values, so errors are raised at
+trace time, before anything is lowered. Messages name the argument, what it got and what was
+expected.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+
+MAX_HEAD_DIM = 256
+KERNEL_DTYPES = ("bfloat16", "float16")
+IMPLEMENTATIONS = (None, "cuda", "xla")
+
+
+def as_array(name: str, x):
+    """`x` as a JAX array, or a TypeError naming `name`."""
+    if isinstance(x, jax.Array):
+        return x
+    try:
+        return jnp.asarray(x)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}") from err
+
+
+def _floating(name: str, x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array (bfloat16, float16 or float32), "
+                        f"got dtype {x.dtype} with shape {x.shape}")
+
+
+def check_qkv(q, k, v, names=("q", "k", "v")):
+    """Arrays q (b, sq, hq, d), k and v (b, sk, hkv, d) with one float dtype, hq % hkv == 0
+    and 1 <= d <= 256. Returns them as arrays."""
+    nq, nk, nv = names
+    q, k, v = as_array(nq, q), as_array(nk, k), as_array(nv, v)
+    for name, x, seq in ((nq, q, "seqlen_q"), (nk, k, "seqlen_k"), (nv, v, "seqlen_k")):
+        heads = "heads_q" if name == nq else "heads_kv"
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 (batch, {seq}, {heads}, head_dim), "
+                             f"got shape {x.shape}")
+        _floating(name, x)
+    for name, x in ((nk, k), (nv, v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but {nq} has dtype {q.dtype}; "
+                            f"{nq}, {nk} and {nv} must share one dtype")
+    if v.shape != k.shape:
+        raise ValueError(f"{nv} has shape {v.shape}, expected the shape of {nk} {k.shape} "
+                         f"(batch, seqlen_k, heads_kv, head_dim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"batch mismatch: {nq} has shape {q.shape} (batch {q.shape[0]}) but "
+                         f"{nk} has shape {k.shape} (batch {k.shape[0]})")
+    if k.shape[3] != q.shape[3]:
+        raise ValueError(f"head_dim mismatch: {nq} has shape {q.shape} (head_dim {q.shape[3]}) "
+                         f"but {nk} has shape {k.shape} (head_dim {k.shape[3]})")
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"heads of {nq} (shape {q.shape}: {hq} heads) must be a multiple of "
+                         f"heads of {nk}/{nv} (shape {k.shape}: {hkv} heads) for GQA/MQA")
+    d = q.shape[3]
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {d} of {nq} (shape {q.shape}) is not supported: expected "
+                         f"1 <= head_dim <= {MAX_HEAD_DIM}")
+    return q, k, v
+
+
+def static_float(name: str, x) -> float:
+    """A Python float from a static scalar; traced values are a TypeError (the kernels take
+    these as compile-time attributes)."""
+    try:
+        value = float(x)
+    except (TypeError, jax.errors.ConcretizationTypeError) as err:
+        raise TypeError(f"{name} must be a static Python number (not a traced array), "
+                        f"got {type(x).__name__}") from err
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def static_int(name: str, x) -> int:
+    if isinstance(x, bool):
+        raise TypeError(f"{name} must be an int, got bool {x}")
+    try:
+        return operator.index(x)
+    except TypeError as err:
+        raise TypeError(f"{name} must be a static Python int, got {type(x).__name__} {x!r}") from err
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale, 1/sqrt(head_dim) when None."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return static_float("softmax_scale", softmax_scale)
+
+
+def check_softcap(softcap) -> float:
+    value = static_float("softcap", softcap)
+    if value < 0:
+        raise ValueError(f"softcap must be >= 0 (0 turns it off), got {value}")
+    return value
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """(left, right) ints >= -1, -1 meaning unbounded."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right) of ints >= -1 (-1 = "
+                         f"unbounded), got {window_size!r}")
+    left, right = (static_int("window_size", w) for w in window_size)
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    return left, right
+
+
+def check_bool(name: str, x) -> bool:
+    if not isinstance(x, (bool, int)) or isinstance(x, jax.Array):
+        raise TypeError(f"{name} must be a Python bool, got {type(x).__name__}")
+    return bool(x)
+
+
+def check_implementation(implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be None, 'cuda' or 'xla', got {implementation!r}")
+    return implementation
+
+
+def kernel_input_reason(dtype, head_dim: int, shapes=()) -> str | None:
+    """Why the Hopper kernels cannot take inputs of this dtype/head_dim/shapes, or None."""
+    name = jnp.dtype(dtype).name
+    if name not in KERNEL_DTYPES:
+        return f"the kernels take bfloat16 or float16 inputs, got {name}"
+    if head_dim % 8 != 0 or head_dim > MAX_HEAD_DIM:
+        return f"the kernels need head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
+    for shape in shapes:
+        if 0 in shape:
+            return f"the kernels need non-empty inputs, got shape {tuple(shape)}"
+    return None

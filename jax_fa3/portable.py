@@ -1,0 +1,242 @@
+"""Portable attention in pure JAX: the same semantics as the Hopper kernels, on any backend.
+
+`forward` / `backward` are blockwise FlashAttention: a `lax.scan` over blocks of keys/values
+with an online softmax, so memory is O(seqlen_q * block_k) per (batch, head), never the full
+seqlen_q x seqlen_k matrix. Accumulation is float32 (or float64 for float64 inputs); products
+take their operands in the input dtype with float32 results, as the kernels do. The backward
+recomputes the probabilities from the saved LSE (P = exp(S - lse)) and uses D = rowsum(dO * O),
+so given the *final* out/lse of a merged (e.g. ring) attention it returns the exact partial
+gradients of the keys/values it sees.
+
+`dense` is the masked/biased variant for what the band cannot express (a bias, a dense boolean
+mask): plain differentiable JAX, the score matrix materialised (the bias/mask already is).
+
+Masks are a band (left, right) (see jax_fa3/_masks.py): query i sees key j iff
+-left <= j - i - (seqlen_k - seqlen_q) <= right; any ints, negative allowed. Optionally a
+per-batch number of valid keys `kv_lengths` (b,). A query row that sees no key gets out = 0 and
+lse = -inf, and zero gradients; no NaN anywhere.
+
+GQA/MQA: q is viewed as (b, sq, heads_kv, group, d); K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fa3._masks import UNBOUNDED
+
+DEFAULT_BLOCK_K = 128
+
+
+# ----------------------------------------------------------------------------- small pieces
+
+def _acc_dtype(dtype):
+    """float32 accumulation, float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _mm(spec, a, b, dtype):
+    """einsum with operands cast to the compute `dtype` and results in its accumulation dtype;
+    full precision for 32/64-bit so GPUs do not drop to TF32."""
+    acc = _acc_dtype(dtype)
+    precision = lax.Precision.HIGHEST if jnp.dtype(dtype).itemsize >= 4 else None
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), precision=precision,
+                      preferred_element_type=acc)
+
+
+def _scores(qg, kb, scale, softcap, dtype):
+    """Scores (b, hkv, g, sq, bk) and tanh(raw / softcap) (None when softcap is off)."""
+    s = _mm("bqhgd,bkhd->bhgqk", qg, kb, dtype) * scale
+    if softcap:
+        t = jnp.tanh(s / softcap)
+        return softcap * t, t
+    return s, None
+
+
+def _visible(qpos, kpos, seqlen_q, seqlen_k, left, right, kv_lengths):
+    """Boolean mask broadcastable to (b, hkv, g, sq, bk): inside the band, a real key (not
+    padding), and below the batch's kv length. Bounds that cannot bind are left out."""
+    rel = kpos[None, :] - qpos[:, None] - (seqlen_k - seqlen_q)  # (sq, bk)
+    ok = kpos[None, :] < seqlen_k
+    if left < seqlen_k:  # rel >= -(seqlen_k - 1) always, so larger left never binds
+        ok = ok & (rel >= -left)
+    if right < seqlen_q:  # rel <= seqlen_q - 1 always
+        ok = ok & (rel <= right)
+    ok = ok[None, None, None]
+    if kv_lengths is not None:
+        ok = ok & (kpos < kv_lengths[:, None])[:, None, None, None, :]
+    return ok
+
+
+def key_range(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
+    """[start, stop) of the keys any query row can see under the band; empty when none."""
+    if left + right < 0:
+        return 0, 0
+    offset = seqlen_k - seqlen_q
+    start = max(0, offset - left)
+    stop = min(seqlen_k, seqlen_q + offset + right)
+    return (start, stop) if start < stop else (0, 0)
+
+
+def _blocks(x, start, stop, block_k):
+    """Keys [start, stop) of x (b, sk, h, d) as (n_blocks, b, block_k, h, d), zero-padded."""
+    x = x[:, start:stop]
+    n = -(-(stop - start) // block_k)
+    pad = n * block_k - (stop - start)
+    x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block_k, *x.shape[2:]), 1, 0)
+
+
+def _block_size(start, stop, block_k):
+    """Blocks no longer than the visible range (one block for short inputs)."""
+    return max(1, min(block_k, stop - start))
+
+
+# ----------------------------------------------------------------------------- forward
+
+def forward(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UNBOUNDED,
+            right: int = UNBOUNDED, kv_lengths=None, block_k: int = DEFAULT_BLOCK_K):
+    """Blockwise attention forward.
+
+    q (b, sq, hq, d); k, v (b, sk, hkv, d), hq % hkv == 0. Returns out (b, sq, hq, d) in
+    q.dtype and lse (b, hq, sq) float32 (natural log; -inf for rows that see no key)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    lse_dtype = jnp.promote_types(jnp.float32, acc)
+    start, stop = key_range(sq, sk, left, right)
+    if stop == start or 0 in (b, sq, hq, d):
+        return (jnp.zeros(q.shape, dtype), jnp.full((b, hq, sq), -jnp.inf, lse_dtype))
+    bk = _block_size(start, stop, block_k)
+    qg = q.reshape(b, sq, hkv, g, d)
+    qpos = jnp.arange(sq)
+
+    def step(carry, xs):
+        m, l, o = carry
+        kb, vb, kstart = xs
+        s, _ = _scores(qg, kb, softmax_scale, softcap, dtype)
+        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths)
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + p.sum(axis=-1)
+        o = alpha[..., None] * o + _mm("bhgqk,bkhd->bhgqd", p, vb, dtype)
+        return (m_new, l, o), None
+
+    init = (jnp.full((b, hkv, g, sq), -jnp.inf, acc), jnp.zeros((b, hkv, g, sq), acc),
+            jnp.zeros((b, hkv, g, sq, d), acc))
+    kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
+    (m, l, o), _ = lax.scan(step, init, (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk),
+                                         kstarts))
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = o / l_safe[..., None]
+    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, sq, hq, d).astype(dtype)  # (b,h,g,q,d) -> (b,q,h*g,d)
+    return out, lse.reshape(b, hq, sq).astype(lse_dtype)
+
+
+# ----------------------------------------------------------------------------- backward
+
+def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 0.0,
+             left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None, dlse=None,
+             block_k: int = DEFAULT_BLOCK_K):
+    """Blockwise attention backward (FlashAttention-2 style, recomputing P per key block).
+
+    out/lse are the forward's (or a merged attention's final) results; dout the output
+    cotangent; dlse an optional LSE cotangent (b, hq, sq) (d lse / d s = P, so it enters as
+    dS = P * (dP - D + dlse)). Returns (dq, dk, dv) in the dtypes of (q, k, v)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    start, stop = key_range(sq, sk, left, right)
+    if stop == start or 0 in (b, sq, hq, d):
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    bk = _block_size(start, stop, block_k)
+    qg = q.reshape(b, sq, hkv, g, d)
+    dog = dout.reshape(b, sq, hkv, g, d)
+    delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog.astype(acc), out.reshape(qg.shape).astype(acc))
+    if dlse is not None:
+        delta = delta - dlse.reshape(b, hkv, g, sq).astype(acc)
+    lse = lse.reshape(b, hkv, g, sq).astype(acc)
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)  # rows that saw nothing: P = exp(-inf) = 0
+    qpos = jnp.arange(sq)
+
+    def step(dq, xs):
+        kb, vb, kstart = xs
+        s, t = _scores(qg, kb, softmax_scale, softcap, dtype)
+        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths)
+        p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
+        dv = _mm("bhgqk,bqhgd->bkhd", p, dog, dtype)
+        dp = _mm("bqhgd,bkhd->bhgqk", dog, vb, dtype)
+        ds = p * (dp - delta[..., None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)  # d/ds of softcap * tanh(s / softcap)
+        ds = ds * softmax_scale
+        dq = dq + _mm("bhgqk,bkhd->bqhgd", ds, kb, dtype)
+        dk = _mm("bhgqk,bqhgd->bkhd", ds, qg, dtype)
+        return dq, (dk, dv)
+
+    kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
+    dq, (dk, dv) = lax.scan(step, jnp.zeros(qg.shape, acc),
+                            (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk), kstarts))
+
+    def unblock(x, like):  # (n, b, bk, hkv, d) -> (b, sk, hkv, d), zeros outside [start, stop)
+        x = jnp.moveaxis(x, 0, 1).reshape(b, -1, hkv, d)[:, : stop - start]
+        return jnp.pad(x, ((0, 0), (start, sk - stop), (0, 0), (0, 0))).astype(like.dtype)
+
+    return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v)
+
+
+# ----------------------------------------------------------------------------- dense variant
+
+def _grouped(x, b, hkv, g):
+    """A 4-D bias/mask broadcastable to (b, hq, sq, sk) as (b|1, hkv|1, g|1, sq|1, sk|1)."""
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], hkv, g, *x.shape[2:])
+
+
+def band_mask(seqlen_q: int, seqlen_k: int, left: int, right: int):
+    """Boolean (seqlen_q, seqlen_k) of the band (a numpy constant)."""
+    rel = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
+    return (rel >= -left) & (rel <= right)
+
+
+def dense(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UNBOUNDED,
+          right: int = UNBOUNDED, bias=None, mask=None, kv_lengths=None):
+    """Dense attention with an additive `bias` and a boolean `mask` (each 4-D, broadcastable
+    to (b, hq, sq, sk)), on top of the band and kv_lengths. Differentiable by JAX autodiff
+    (including the bias). Returns (out, lse) like `forward`. The bias is added after the
+    softcap; masked entries are excluded, not just pushed to a large negative number."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    qg = q.reshape(b, sq, hkv, g, d)
+    s, _ = _scores(qg, k, softmax_scale, softcap, dtype)
+    if bias is not None:
+        s = s + _grouped(bias, b, hkv, g).astype(acc)
+    ok = jnp.asarray(band_mask(sq, sk, left, right))[None, None, None]
+    if mask is not None:
+        ok = ok & _grouped(mask, b, hkv, g)
+    if kv_lengths is not None:
+        ok = ok & (jnp.arange(sk) < kv_lengths[:, None])[:, None, None, None, :]
+    s = jnp.where(ok, s, -jnp.inf)
+    m = lax.stop_gradient(s.max(axis=-1, keepdims=True))  # softmax is shift invariant
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = _mm("bhgqk,bkhd->bhgqd", p / l_safe, v, dtype)
+    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+    out = jnp.moveaxis(out, 3, 1).reshape(b, sq, hq, d).astype(dtype)
+    return out, lse.reshape(b, hq, sq).astype(jnp.promote_types(jnp.float32, acc))
