@@ -238,3 +238,28 @@ def assert_error_ratio(name, got, ref, baseline, ratio=2.0, slack=None):
     assert err <= bound, (f"{name}: error {err:.3e} > {ratio} x baseline error {base:.3e} "
                           f"+ slack {slack:.1e} (= {bound:.3e}); max |ref| = {scale:.3e}")
     return err, base
+
+
+def check_against_oracle(name, q, k, v, out=None, lse=None, grads=None, dout=None, ratio=2.0,
+                         **opts):
+    """Assert the error-ratio rule for whichever of out, lse and grads (dq, dk, dv for the
+    output cotangent `dout`) are given, against the float64 oracle and the plain baseline
+    with the same `opts`. Also checks that nothing is NaN (lse may be -inf where the oracle
+    is). Returns {quantity: (error, baseline error)}."""
+    errors = {}
+    if out is not None or lse is not None:
+        ref_out, ref_lse = reference_f64(q, k, v, **opts)
+        base_out, base_lse = plain_in_dtype(q, k, v, return_lse=True, **opts)
+        if out is not None:
+            assert_finite(f"{name} out", out)
+            errors["out"] = assert_error_ratio(f"{name} out", out, ref_out, base_out, ratio)
+        if lse is not None:
+            assert_finite(f"{name} lse", lse, allow_neg_inf=True)
+            errors["lse"] = assert_error_ratio(f"{name} lse", lse, ref_lse, base_lse, ratio)
+    if grads is not None:
+        ref_grads = reference_grads_f64(q, k, v, dout, **opts)
+        base_grads = plain_grads_in_dtype(q, k, v, dout, **opts)
+        for gname, got, ref, base in zip(("dq", "dk", "dv"), grads, ref_grads, base_grads):
+            assert_finite(f"{name} {gname}", got)
+            errors[gname] = assert_error_ratio(f"{name} {gname}", got, ref, base, ratio)
+    return errors
