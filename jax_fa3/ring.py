@@ -1,0 +1,439 @@
+"""Context parallelism: attention over a sequence sharded across a mesh axis.
+
+Call `ring_attention` inside `jax.shard_map` on the local sequence shards; outside, use
+`jax_fa3.sharding.context_parallel_attention` on global arrays.
+
+Two strategies:
+  * 'ring': K/V blocks travel around the ring with `ppermute`; each device attends its local
+    queries to the block it holds and merges the partial (out, lse) exactly. The transfer of
+    the next block is issued before the current block is computed, so the two can overlap.
+    The backward is a ring too: dK/dV accumulators (float32) travel with their K/V block and
+    arrive back at their owner after a full turn.
+  * 'allgather': gather all of K/V once (cheap when heads_kv is small), attend, and
+    reduce-scatter dK/dV in the backward.
+
+Layouts (how the global sequence is split over the N devices of the axis):
+  * 'contiguous': device r holds tokens [r*s, (r+1)*s). Correct for any mask, but under a
+    causal mask device N-1 does N times the work of device 0.
+  * 'zigzag': the sequence is cut into 2N chunks and device r holds chunks r and 2N-1-r, so
+    causal work is equal on every device. Permute global arrays with `zigzag_permute` before
+    sharding (and `zigzag_unpermute` the result); `zigzag_positions` gives RoPE positions.
+
+Which block pairs need work is decided statically: for each ring step and each device a small
+planner lists the kernel calls on (query chunk, key chunk) pairs with their shifted mask band
+(see jax_fa3/_masks.py; bounds may be negative), skipping fully masked pairs and calling
+unmasked pairs with unbounded bands. Devices with different plans pick theirs with
+`lax.switch` on the axis index, so skipped pairs cost nothing at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from jax_fa3._masks import UNBOUNDED, band
+
+STRATEGIES = ("ring", "allgather")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ----------------------------------------------------------------------------- zig-zag helpers
+
+def _zigzag_order(seq_len: int, num_devices: int) -> np.ndarray:
+    """Global token index stored at each position of the zig-zag (permuted) order."""
+    n2 = 2 * num_devices
+    if seq_len % n2:
+        raise ValueError(f"zig-zag needs the sequence length ({seq_len}) to be divisible by "
+                         f"2 * num_devices = {n2}")
+    c = seq_len // n2
+    chunks = [i for r in range(num_devices) for i in (r, n2 - 1 - r)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for i in chunks])
+
+
+def zigzag_permute(x, num_devices: int, axis: int = 1):
+    """Reorder the sequence `axis` of a global array into zig-zag order: after sharding it
+    contiguously over `num_devices`, device r holds chunks r and 2N-1-r of the original."""
+    return jnp.take(x, _zigzag_order(x.shape[axis], num_devices), axis=axis)
+
+
+def zigzag_unpermute(x, num_devices: int, axis: int = 1):
+    """Inverse of `zigzag_permute`: back to the natural sequence order."""
+    inverse = np.argsort(_zigzag_order(x.shape[axis], num_devices))
+    return jnp.take(x, inverse, axis=axis)
+
+
+def zigzag_positions(seq_len: int, num_devices: int):
+    """int32 (seq_len,): the original position of each token in zig-zag order (for RoPE)."""
+    return jnp.asarray(_zigzag_order(seq_len, num_devices), jnp.int32)
+
+
+# ----------------------------------------------------------------------------- static planner
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A run of tokens that is contiguous both in local memory and in the global sequence."""
+    local: int   # start in the local array
+    glob: int    # start in the global sequence
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One local attention call: queries [q0, q1) against keys [k0, k1) of the local arrays,
+    with the band (left, right) in the local convention of jax_fa3/_masks.py."""
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: int
+    right: int
+
+    @property
+    def full(self) -> bool:
+        return self.left == UNBOUNDED and self.right == UNBOUNDED
+
+
+def layout_segments(layout: str, num_devices: int, rank: int, local_len: int) -> list[Segment]:
+    """The global pieces that device `rank` holds under `layout`."""
+    if layout == "contiguous":
+        return [Segment(0, rank * local_len, local_len)]
+    c = local_len // 2
+    return [Segment(0, rank * c, c), Segment(c, (2 * num_devices - 1 - rank) * c, c)]
+
+
+def _pair_call(qs: Segment, ks: Segment, seq_q: int, seq_k: int, left: int, right: int):
+    """The call for one segment pair, trimmed to the keys some query sees; None if no query
+    sees any key. Bands are bottom-right aligned on the GLOBAL lengths."""
+    diag = seq_k - seq_q
+    # Key j is visible to query i iff lo <= j - i <= hi (global positions).
+    lo = -math.inf if left >= UNBOUNDED else diag - left
+    hi = math.inf if right >= UNBOUNDED else diag + right
+    q_first, q_last = qs.glob, qs.glob + qs.length - 1
+    # Keys that at least one query of the segment sees.
+    j0 = max(ks.glob, q_first + lo)
+    j1 = min(ks.glob + ks.length - 1, q_last + hi)
+    if j0 > j1 or lo > hi:
+        return None
+    j0, j1 = int(j0), int(j1)
+    lq, lk = qs.length, j1 - j0 + 1
+    # With local i', j' (i = q_first + i', j = j0 + j') the condition lo <= j - i <= hi reads
+    # -L' <= j' - i' - (lk - lq) <= R' in the local convention, where
+    #   L' = (j0 - q_first) + (lk - lq) - lo   and   R' = hi - (j0 - q_first) - (lk - lq).
+    # A side that no pair of the block violates is left unbounded (no mask work there).
+    off = (j0 - q_first) + (lk - lq)
+    new_left = UNBOUNDED if j0 - q_last >= lo else off - int(lo)
+    new_right = UNBOUNDED if j1 - q_first <= hi else int(hi) - off
+    k0 = ks.local + (j0 - ks.glob)
+    return Call(qs.local, qs.local + qs.length, k0, k0 + lk, new_left, new_right)
+
+
+def plan_calls(q_segs: Sequence[Segment], k_segs: Sequence[Segment], seq_q: int, seq_k: int,
+               left: int, right: int) -> tuple[Call, ...]:
+    """All calls needed for local queries `q_segs` against the held keys `k_segs`.
+
+    Unmasked calls on adjacent keys merge into one call; query segments whose unmasked calls
+    are identical merge too, so a zig-zag ring step needs one call where it can."""
+    per_q = []
+    for qs in q_segs:
+        calls = [c for ks in k_segs if (c := _pair_call(qs, ks, seq_q, seq_k, left, right))]
+        merged: list[Call] = []
+        for c in calls:
+            p = merged[-1] if merged else None
+            if p is not None and p.full and c.full and p.k1 == c.k0:
+                merged[-1] = dataclasses.replace(p, k1=c.k1)
+            else:
+                merged.append(c)
+        per_q.append(merged)
+    out: list[list[Call]] = []
+    for calls in per_q:
+        prev = out[-1] if out else None
+        if (prev and calls and len(prev) == len(calls) and all(c.full for c in prev + calls)
+                and all((a.k0, a.k1) == (b.k0, b.k1) for a, b in zip(prev, calls))
+                and prev[0].q1 == calls[0].q0):
+            out[-1] = [dataclasses.replace(a, q1=b.q1) for a, b in zip(prev, calls)]
+        else:
+            out.append(calls)
+    return tuple(c for calls in out for c in calls)
+
+
+def ring_step_plans(layout: str, n: int, step: int, sq_local: int, sk_local: int, left: int,
+                    right: int) -> list[tuple[Call, ...]]:
+    """Per device r: the calls of ring step `step`, when r holds the K/V block of r - step."""
+    plans = []
+    for r in range(n):
+        src = (r - step) % n
+        plans.append(plan_calls(layout_segments(layout, n, r, sq_local),
+                                layout_segments(layout, n, src, sk_local),
+                                n * sq_local, n * sk_local, left, right))
+    return plans
+
+
+def allgather_plans(layout: str, n: int, sq_local: int, sk_local: int, left: int,
+                    right: int) -> list[tuple[Call, ...]]:
+    """Per device r: the calls against the whole K/V in natural order."""
+    seq_k = n * sk_local
+    return [plan_calls(layout_segments(layout, n, r, sq_local), [Segment(0, 0, seq_k)],
+                       n * sq_local, seq_k, left, right) for r in range(n)]
+
+
+def natural_order(x, n: int, layout: str, axis: int = 1):
+    """Gathered K/V (device-major order) -> natural sequence order (a static permutation)."""
+    if layout == "contiguous":
+        return x
+    return zigzag_unpermute(x, n, axis)
+
+
+def gathered_order(x, n: int, layout: str, axis: int = 1):
+    """Inverse of `natural_order`."""
+    if layout == "contiguous":
+        return x
+    return zigzag_permute(x, n, axis)
+
+
+# ----------------------------------------------------------------------------- local math
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+    """Static options of one ring attention call (hashable: a custom_vjp nondiff arg)."""
+    axis_name: object
+    softmax_scale: float
+    softcap: float
+    left: int
+    right: int
+    strategy: str = "ring"
+    layout: str = "contiguous"
+    deterministic: bool = False
+    implementation: str | None = None
+
+
+def _local_ops():
+    # Imported late: the public API module imports the sharding layer, which imports us.
+    from jax_fa3 import attention
+    return attention.attention_fwd, attention.attention_bwd
+
+
+def _lse_weights(lse):
+    """(b, h, s) -> (b, s, h, 1), to scale an (b, s, h, d) output."""
+    return jnp.swapaxes(lse, 1, 2)[..., None]
+
+
+def merge_partials(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two normalised partial attentions over disjoint key sets.
+
+    o: (b, s, h, d) float32, lse: (b, h, s) float32 with -inf for rows that saw no key
+    (their o is 0). A row that saw nothing in both stays 0 with lse -inf, no NaN."""
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = jnp.exp(lse_a - m), jnp.exp(lse_b - m)  # exp(-inf) = 0 for empty rows
+    total = wa + wb
+    seen = total > 0
+    lse = jnp.where(seen, m + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
+    o = o_a * _lse_weights(wa * inv) + o_b * _lse_weights(wb * inv)
+    return o, lse
+
+
+def _fwd_calls(calls, cfg: RingConfig, q, k, v, acc):
+    """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse)."""
+    attention_fwd, _ = _local_ops()
+    o_acc, lse_acc = acc
+    for c in calls:
+        o, lse = attention_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
+                               softmax_scale=cfg.softmax_scale, softcap=cfg.softcap,
+                               left=c.left, right=c.right, implementation=cfg.implementation)
+        o, lse = merge_partials(o_acc[:, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1],
+                                o.astype(jnp.float32), lse.astype(jnp.float32))
+        o_acc = o_acc.at[:, c.q0:c.q1].set(o)
+        lse_acc = lse_acc.at[:, :, c.q0:c.q1].set(lse)
+    return o_acc, lse_acc
+
+
+def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, acc):
+    """Add the partial (dq, dk, dv) of `calls` into float32 accumulators."""
+    _, attention_bwd = _local_ops()
+    dq, dk, dv = acc
+    for c in calls:
+        gq, gk, gv = attention_bwd(
+            q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], out[:, c.q0:c.q1],
+            lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], softmax_scale=cfg.softmax_scale,
+            softcap=cfg.softcap, left=c.left, right=c.right, deterministic=cfg.deterministic,
+            implementation=cfg.implementation)
+        dq = dq.at[:, c.q0:c.q1].add(gq.astype(jnp.float32))
+        dk = dk.at[:, c.k0:c.k1].add(gk.astype(jnp.float32))
+        dv = dv.at[:, c.k0:c.k1].add(gv.astype(jnp.float32))
+    return dq, dk, dv
+
+
+def _switch(axis_name, plans, run, *operands):
+    """Run each device's own plan: `run(calls, *operands)`; plans shared by several devices
+    are traced once, and a device whose plan is empty runs nothing."""
+    distinct = list(dict.fromkeys(plans))
+    if len(distinct) == 1:
+        return run(distinct[0], *operands)
+    table = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)
+    branches = [lambda ops, p=p: run(p, *ops) for p in distinct]
+    return lax.switch(table[lax.axis_index(axis_name)], branches, operands)
+
+
+def _ring_perm(n: int):
+    """Each device sends to the next one."""
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- fwd / bwd
+
+def ring_attention_fwd(q, k, v, cfg: RingConfig):
+    """Local shards in, local (out in q.dtype, lse float32 (b, hq, sq_local)) out.
+
+    The building block of `ring_attention` and of the sharding rules; not differentiable
+    (use `ring_attention`)."""
+    n = lax.axis_size(cfg.axis_name)
+    sq, sk = q.shape[1], k.shape[1]
+    b, _, hq, d = q.shape
+    acc = (jnp.zeros((b, sq, hq, d), jnp.float32), jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
+
+    def run(calls, acc, q, k, v):
+        return _fwd_calls(calls, cfg, q, k, v, acc)
+
+    if cfg.strategy == "allgather":
+        kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
+        vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
+        plans = allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)
+        acc = _switch(cfg.axis_name, plans, run, acc, q, kf, vf)
+    else:
+        for step in range(n):
+            if step < n - 1:  # issue the next block's transfer before this block's compute
+                k_next = lax.ppermute(k, cfg.axis_name, _ring_perm(n))
+                v_next = lax.ppermute(v, cfg.axis_name, _ring_perm(n))
+            plans = ring_step_plans(cfg.layout, n, step, sq, sk, cfg.left, cfg.right)
+            acc = _switch(cfg.axis_name, plans, run, acc, q, k, v)
+            if step < n - 1:
+                k, v = k_next, v_next
+    o, lse = acc
+    return o.astype(q.dtype), lse
+
+
+def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig):
+    """(dq, dk, dv) of the local shards, given the final local out/lse and dout."""
+    n = lax.axis_size(cfg.axis_name)
+    sq, sk = q.shape[1], k.shape[1]
+    f32 = jnp.float32
+
+    def run(calls, acc, q, k, v, out, lse, dout):
+        return _bwd_calls(calls, cfg, q, k, v, out, lse, dout, acc)
+
+    if cfg.strategy == "allgather":
+        kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
+        vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
+        acc = (jnp.zeros(q.shape, f32), jnp.zeros(kf.shape, f32), jnp.zeros(vf.shape, f32))
+        plans = allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)
+        dq, dk, dv = _switch(cfg.axis_name, plans, run, acc, q, kf, vf, out, lse, dout)
+        # Every device holds partial dK/dV for the whole sequence: sum them onto the owners.
+        dk = lax.psum_scatter(gathered_order(dk, n, cfg.layout), cfg.axis_name,
+                              scatter_dimension=1, tiled=True)
+        dv = lax.psum_scatter(gathered_order(dv, n, cfg.layout), cfg.axis_name,
+                              scatter_dimension=1, tiled=True)
+    else:
+        dq = jnp.zeros(q.shape, f32)
+        dk, dv = jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+        perm = _ring_perm(n)
+        for step in range(n):
+            if step < n - 1:
+                k_next = lax.ppermute(k, cfg.axis_name, perm)
+                v_next = lax.ppermute(v, cfg.axis_name, perm)
+            plans = ring_step_plans(cfg.layout, n, step, sq, sk, cfg.left, cfg.right)
+            dq, dk, dv = _switch(cfg.axis_name, plans, run, (dq, dk, dv), q, k, v, out, lse, dout)
+            # The accumulators follow their block; after the last step one more hop takes
+            # them home (block of device r is at r - 1 after n - 1 hops).
+            dk = lax.ppermute(dk, cfg.axis_name, perm)
+            dv = lax.ppermute(dv, cfg.axis_name, perm)
+            if step < n - 1:
+                k, v = k_next, v_next
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------- public entry
+
+def _validate(q, k, v, axis_name, strategy, layout, n):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"ring_attention: {name} must be (batch, seq_local, heads, head_dim), "
+                             f"got shape {x.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"ring_attention: k and v must have the same shape, got {k.shape} and {v.shape}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"ring_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"ring_attention: batch and head_dim of q {q.shape} and k {k.shape} differ")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"ring_attention: heads of q ({q.shape[2]}) must be a multiple of the "
+                         f"heads of k/v ({k.shape[2]})")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"ring_attention: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"ring_attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
+        raise ValueError(f"ring_attention: the zig-zag layout needs even local sequence lengths, "
+                         f"got q {q.shape[1]} and k {k.shape[1]}")
+
+
+def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1, -1),
+                   softcap: float = 0.0, softmax_scale: float | None = None,
+                   strategy: str = "ring", layout: str = "contiguous", return_lse: bool = False,
+                   deterministic: bool = False, implementation: str | None = None):
+    """Attention over a sequence sharded along mesh axis `axis_name`; call inside shard_map.
+
+    q: (batch, seq_q_local, heads_q, head_dim); k, v: (batch, seq_k_local, heads_kv, head_dim)
+    are this device's shards. Masks (`causal`, `window_size`, bottom-right aligned) refer to
+    the GLOBAL sequence, whose order across devices is `layout` ('contiguous' or 'zigzag',
+    see the module docstring; the default 'contiguous' is what sharding a naturally ordered
+    array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
+    seq_q_local) float32 when `return_lse`); differentiable in q, k, v (the LSE output is
+    not: its cotangent must be zero).
+    """
+    n = lax.axis_size(axis_name)
+    _validate(q, k, v, axis_name, strategy, layout, n)
+    left, right = band(causal, tuple(window_size))
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    cfg = RingConfig(axis_name=axis_name if isinstance(axis_name, str) else tuple(axis_name),
+                     softmax_scale=scale, softcap=float(softcap), left=left, right=right,
+                     strategy=strategy, layout=layout, deterministic=bool(deterministic),
+                     implementation=implementation)
+    out, lse = _ring(q, k, v, cfg)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ring(q, k, v, cfg):
+    return ring_attention_fwd(q, k, v, cfg)
+
+
+def _ring_vjp_fwd(q, k, v, cfg):
+    q, k, v = q.value, k.value, v.value  # symbolic_zeros=True wraps the primals
+    out, lse = ring_attention_fwd(q, k, v, cfg)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _ring_vjp_bwd(cfg, res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    if not isinstance(dlse, SymbolicZero):
+        # FA-style backward takes the final out/lse, not a cotangent of the LSE; refusing
+        # is better than silently dropping a gradient.
+        raise NotImplementedError(
+            "ring_attention: the LSE output is not differentiable; the loss may depend on "
+            "`out` only (use lax.stop_gradient on the returned lse)")
+    if isinstance(dout, SymbolicZero):
+        dout = jnp.zeros(dout.shape, dout.dtype)
+    return ring_attention_bwd(q, k, v, out, lse, dout, cfg)
+
+
+_ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd, symbolic_zeros=True)

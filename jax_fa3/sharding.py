@@ -1,0 +1,349 @@
+"""Sharding rules for the attention calls, and context parallelism over a Mesh.
+
+`partitioned_attention_fwd` / `partitioned_attention_bwd` have the signatures of
+`jax_fa3.attention.attention_fwd` / `attention_bwd` and run them as ONE local call per device
+when the inputs are sharded under `jax.jit`:
+
+  * batch and heads shard freely; with GQA the kv heads follow the query heads (a query-head
+    sharding finer than heads_kv keeps one kv head per device, and the backward sums dK/dV
+    over the devices that share it); head_dim is never split;
+  * out and dq come back with the query's sharding, lse (b, hq, sq) with the matching one;
+  * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
+    that mesh axis.
+
+How: with mesh axes of type Auto (and no sharding in the types) through
+`jax.experimental.custom_partitioning` with a Shardy `sharding_rule` plus the GSPMD callbacks;
+with Explicit axes the shardings are known while tracing, so the same plan runs in a
+`jax.shard_map`. Inside a `shard_map` over all axes the call is simply local. Every decision
+lives in `plan_shardings`, a pure function tested on its own, because custom_partitioning
+hides Python errors raised in its callbacks.
+
+`context_parallel_attention` is the explicit entry for sequence-sharded global arrays: it runs
+`jax_fa3.ring.ring_attention` in a shard_map, with the zig-zag layout or the all-gather
+strategy on request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jax_fa3 import ring
+from jax_fa3._ops import _fold_batch_rule
+
+Axes = tuple  # a tuple of mesh axis names sharding one array dimension
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def _axes(entry) -> Axes:
+    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of names."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes: Axes):
+    """Inverse of `_axes`, in the shortest PartitionSpec spelling."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _size(mesh_shape, axes: Axes) -> int:
+    return math.prod(mesh_shape[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShardings:
+    """Mesh axes chosen for each factor of one attention call.
+
+    batch / seq / heads shard q, out, dq and lse; kv_heads (a prefix of heads) shards the
+    heads of k, v, dk, dv; kv_shared = heads minus kv_heads are the axes over which devices
+    share a kv head (their dK/dV partials are summed)."""
+    batch: Axes = ()
+    seq: Axes = ()
+    heads: Axes = ()
+    kv_heads: Axes = ()
+
+    @property
+    def kv_shared(self) -> Axes:
+        return self.heads[len(self.kv_heads):]
+
+    @property
+    def q(self) -> P:  # also out, dout, dq
+        return P(_entry(self.batch), _entry(self.seq), _entry(self.heads), None)
+
+    @property
+    def kv(self) -> P:  # also dk, dv
+        return P(_entry(self.batch), _entry(self.seq), _entry(self.kv_heads), None)
+
+    @property
+    def lse(self) -> P:
+        return P(_entry(self.batch), _entry(self.heads), _entry(self.seq))
+
+
+def _head_axes(mesh_shape, axes: Axes, heads_q: int, heads_kv: int) -> tuple[Axes, Axes]:
+    """Longest prefix of the query-head axes with a consistent kv-head sharding.
+
+    Device t holds query heads [t*hq/P, (t+1)*hq/P). Its kv heads are a contiguous block of
+    the same axes when P divides heads_kv; when P is a multiple of heads_kv, it needs exactly
+    one kv head, i.e. kv sharded by a prefix whose size is exactly heads_kv."""
+    for n in range(len(axes), -1, -1):
+        prefix = axes[:n]
+        size = _size(mesh_shape, prefix)
+        if heads_q % size:
+            continue
+        if heads_kv % size == 0:
+            return prefix, prefix
+        for m in range(n):
+            if _size(mesh_shape, prefix[:m]) == heads_kv:
+                return prefix, prefix[:m]
+    return (), ()
+
+
+def plan_shardings(mesh_shape: dict, q_spec, q_shape, k_shape) -> AttentionShardings:
+    """The shardings of one attention call, decided from the query's PartitionSpec.
+
+    mesh_shape: {axis name: size}; q_shape (b, sq, hq, d); k_shape (b, sk, hkv, d). The
+    query is the authority (outputs come back with its sharding); k/v are resharded to match.
+    head_dim is never sharded. A sequence sharding is kept only if it also divides seq_k."""
+    spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
+    batch, seq, heads = _axes(spec[0]), _axes(spec[1]), _axes(spec[2])
+    if k_shape[1] % max(_size(mesh_shape, seq), 1):
+        seq = ()
+    heads, kv_heads = _head_axes(mesh_shape, heads, q_shape[2], k_shape[2])
+    return AttentionShardings(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads)
+
+
+# ----------------------------------------------------------------------------- local bodies
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    softmax_scale: float
+    softcap: float
+    left: int
+    right: int
+    implementation: str | None
+    deterministic: bool = False
+
+    def ring(self, axes: Axes) -> ring.RingConfig:
+        return ring.RingConfig(axis_name=axes[0] if len(axes) == 1 else tuple(axes),
+                               softmax_scale=self.softmax_scale, softcap=self.softcap,
+                               left=self.left, right=self.right, layout="contiguous",
+                               deterministic=self.deterministic,
+                               implementation=self.implementation)
+
+
+def _local_fwd(opts: _Options, plan: AttentionShardings, q, k, v):
+    """Per-device forward on local shards (a ring over the sequence axes if sharded)."""
+    if plan.seq:
+        return ring.ring_attention_fwd(q, k, v, opts.ring(plan.seq))
+    attention_fwd, _ = ring._local_ops()
+    return attention_fwd(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                         left=opts.left, right=opts.right, implementation=opts.implementation)
+
+
+def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout):
+    """Per-device backward; dK/dV partials are summed over devices sharing a kv head."""
+    if plan.seq:
+        dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts.ring(plan.seq))
+    else:
+        _, attention_bwd = ring._local_ops()
+        dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
+                                   softcap=opts.softcap, left=opts.left, right=opts.right,
+                                   deterministic=opts.deterministic,
+                                   implementation=opts.implementation)
+    if plan.kv_shared:
+        dk = lax.psum(dk.astype(jnp.float32), plan.kv_shared).astype(k.dtype)
+        dv = lax.psum(dv.astype(jnp.float32), plan.kv_shared).astype(v.dtype)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom_partitioning
+
+def _sharding_rule(q_shape, k_shape, backward: bool) -> tuple[str, dict]:
+    """Shardy rule: batch b, seq s (t for keys if lengths differ), query heads (h g) with kv
+    heads h, head_dim d never sharded."""
+    g = q_shape[2] // k_shape[2]
+    hq = "(h g)" if g > 1 else "h"
+    t = "s" if q_shape[1] == k_shape[1] else "t"
+    q, kv, lse = f"b s {hq} d", f"b {t} h d", f"b {hq} s"
+    if backward:
+        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q} -> {q}, {kv}, {kv}"
+    else:
+        rule = f"{q}, {kv}, {kv} -> {q}, {lse}"
+    sizes = {"g": g} if g > 1 else {}
+    return rule, dict(need_replication_factors=("d",), **sizes)
+
+
+def _mesh_shape(mesh) -> dict:
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _spec_of(sharding) -> Sequence:
+    """PartitionSpec of a callback's argument sharding (replicated if it has none)."""
+    return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
+def _callback_plan(mesh, arg_shapes) -> AttentionShardings:
+    q, k = arg_shapes[0], arg_shapes[1]
+    return plan_shardings(_mesh_shape(mesh), _spec_of(q.sharding), q.shape, k.shape)
+
+
+def _named(mesh, specs):
+    return tuple(NamedSharding(mesh, s) for s in specs)
+
+
+def _cp_fwd(opts: _Options, q_shape, k_shape):
+    """custom_partitioning forward for one set of static options."""
+
+    @custom_partitioning
+    def op(q, k, v):
+        return _local_fwd(opts, AttentionShardings(), q, k, v)
+
+    def infer(mesh, arg_shapes, result_shape):
+        plan = _callback_plan(mesh, arg_shapes)
+        return _named(mesh, (plan.q, plan.lse))
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = _callback_plan(mesh, arg_shapes)
+        lower = lambda q, k, v: _local_fwd(opts, plan, q, k, v)
+        return (mesh, lower, _named(mesh, (plan.q, plan.lse)),
+                _named(mesh, (plan.q, plan.kv, plan.kv)))
+
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False)
+    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
+    return op
+
+
+def _cp_bwd(opts: _Options, q_shape, k_shape):
+    """custom_partitioning backward for one set of static options."""
+
+    @custom_partitioning
+    def op(q, k, v, out, lse, dout):
+        return _local_bwd(opts, AttentionShardings(), q, k, v, out, lse, dout)
+
+    def infer(mesh, arg_shapes, result_shape):
+        plan = _callback_plan(mesh, arg_shapes)
+        return _named(mesh, (plan.q, plan.kv, plan.kv))
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = _callback_plan(mesh, arg_shapes)
+        lower = lambda *args: _local_bwd(opts, plan, *args)
+        return (mesh, lower, _named(mesh, (plan.q, plan.kv, plan.kv)),
+                _named(mesh, (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q)))
+
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True)
+    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
+    return op
+
+
+# ----------------------------------------------------------------------------- explicit axes
+
+def _explicit_mesh(x):
+    """The abstract mesh when x's type carries Explicit mesh axes (sharding in types)."""
+    mesh = jax.typeof(x).sharding.mesh
+    return mesh if (not mesh.empty and mesh.explicit_axes) else None
+
+
+def _shard_map_call(mesh, body, plan: AttentionShardings, args, in_specs, out_specs):
+    """Run `body(plan, *local args)` in a shard_map over the Explicit axes of `mesh`."""
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
+    fn = jax.shard_map(lambda *xs: body(plan, *xs), mesh=mesh, in_specs=tuple(in_specs),
+                       out_specs=tuple(out_specs), axis_names=set(mesh.explicit_axes),
+                       check_vma=False)
+    return fn(*args)
+
+
+def _explicit_plan(mesh, q, k) -> AttentionShardings:
+    sizes = {a: mesh.shape[a] for a in mesh.explicit_axes}
+    spec = tuple(jax.typeof(q).sharding.spec)
+    spec = tuple(_entry(tuple(a for a in _axes(e) if a in sizes)) for e in spec)
+    return plan_shardings(sizes, spec, q.shape, k.shape)
+
+
+# ----------------------------------------------------------------------------- public wrappers
+
+def partitioned_attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, left: int,
+                              right: int, implementation=None):
+    """`jax_fa3.attention.attention_fwd` that partitions as one local call per device."""
+    opts = _Options(float(softmax_scale), float(softcap), int(left), int(right), implementation)
+    mesh = _explicit_mesh(q)
+    if mesh is not None:
+        plan = _explicit_plan(mesh, q, k)
+        body = lambda plan, q, k, v: _local_fwd(opts, plan, q, k, v)
+        return _shard_map_call(mesh, body, plan, (q, k, v), (plan.q, plan.kv, plan.kv),
+                               (plan.q, plan.lse))
+    op = jax.custom_batching.custom_vmap(lambda q, k, v: tuple(_cp_fwd(opts, q.shape, k.shape)(q, k, v)))
+    return _fold_batch_rule(op)(q, k, v)
+
+
+def partitioned_attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float,
+                              left: int, right: int, deterministic: bool = False,
+                              implementation=None):
+    """`jax_fa3.attention.attention_bwd` that partitions as one local call per device."""
+    opts = _Options(float(softmax_scale), float(softcap), int(left), int(right), implementation,
+                    bool(deterministic))
+    mesh = _explicit_mesh(q)
+    if mesh is not None:
+        plan = _explicit_plan(mesh, q, k)
+        body = lambda plan, *xs: _local_bwd(opts, plan, *xs)
+        return _shard_map_call(mesh, body, plan, (q, k, v, out, lse, dout),
+                               (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q),
+                               (plan.q, plan.kv, plan.kv))
+    op = jax.custom_batching.custom_vmap(
+        lambda *xs: tuple(_cp_bwd(opts, xs[0].shape, xs[1].shape)(*xs)))
+    return _fold_batch_rule(op)(q, k, v, out, lse, dout)
+
+
+def sequence_axes(x) -> Axes:
+    """Mesh axes sharding the sequence (dim 1) of x, when known while tracing (Explicit
+    axes, or a concrete array); () otherwise."""
+    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
+    if sharding is None:
+        sharding = jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
+    return _axes(spec[1])
+
+
+def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
+                               causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                               softmax_scale: float | None = None, strategy: str = "ring",
+                               layout: str = "contiguous", return_lse: bool = False,
+                               deterministic: bool = False, implementation=None):
+    """Attention on global arrays whose sequence is sharded over `seq_axis` of `mesh`.
+
+    q: (batch, seq_q, heads_q, head_dim), k/v: (batch, seq_k, heads_kv, head_dim), laid out
+    as P(batch_axis, seq_axis, head_axis, None) (inputs are resharded to that if needed).
+    With layout='zigzag' the arrays must already be in zig-zag order
+    (`jax_fa3.ring.zigzag_permute(x, mesh.shape[seq_axis])`), and so is the result.
+    Differentiable; usable inside or outside `jax.jit`. Returns out, or (out, lse).
+    """
+    n = _size(dict(mesh.shape), _axes(seq_axis))
+    for name, x in (("q", q), ("k", k)):
+        if x.ndim != 4 or x.shape[1] % n:
+            raise ValueError(f"context_parallel_attention: {name} must be (batch, seq, heads, "
+                             f"head_dim) with seq divisible by the {n} devices of "
+                             f"{seq_axis!r}; got shape {x.shape}")
+    if head_axis is not None and k.shape[2] % _size(dict(mesh.shape), _axes(head_axis)):
+        raise ValueError(f"context_parallel_attention: heads_kv = {k.shape[2]} must be "
+                         f"divisible by the size of head_axis {head_axis!r}")
+    qs = P(batch_axis, seq_axis, head_axis, None)
+    lse_spec = P(batch_axis, head_axis, seq_axis)
+
+    def body(q, k, v):
+        return ring.ring_attention(q, k, v, axis_name=seq_axis, causal=causal,
+                                   window_size=window_size, softcap=softcap,
+                                   softmax_scale=softmax_scale, strategy=strategy, layout=layout,
+                                   return_lse=return_lse, deterministic=deterministic,
+                                   implementation=implementation)
+
+    out_specs = (qs, lse_spec) if return_lse else qs
+    return jax.shard_map(body, mesh=mesh, in_specs=(qs, qs, qs), out_specs=out_specs,
+                         check_vma=False)(q, k, v)
