@@ -256,8 +256,9 @@ def _fwd_calls(calls, cfg: RingConfig, q, k, v, acc):
     return o_acc, lse_acc
 
 
-def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, acc):
-    """Add the partial (dq, dk, dv) of `calls` into float32 accumulators."""
+def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, dlse, acc):
+    """Add the partial (dq, dk, dv) of `calls` into float32 accumulators. The LSE cotangent
+    `dlse` (or None) adds p * dlse to dS, which splits over key blocks like the rest."""
     _, attention_bwd = _local_ops()
     dq, dk, dv = acc
     for c in calls:
@@ -265,7 +266,8 @@ def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, acc):
             q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], out[:, c.q0:c.q1],
             lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], softmax_scale=cfg.softmax_scale,
             softcap=cfg.softcap, left=c.left, right=c.right, deterministic=cfg.deterministic,
-            implementation=cfg.implementation)
+            implementation=cfg.implementation,
+            dlse=None if dlse is None else dlse[:, :, c.q0:c.q1])
         dq = dq.at[:, c.q0:c.q1].add(gq.astype(jnp.float32))
         dk = dk.at[:, c.k0:c.k1].add(gk.astype(jnp.float32))
         dv = dv.at[:, c.k0:c.k1].add(gv.astype(jnp.float32))
@@ -321,14 +323,15 @@ def ring_attention_fwd(q, k, v, cfg: RingConfig):
     return o.astype(q.dtype), lse
 
 
-def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig):
-    """(dq, dk, dv) of the local shards, given the final local out/lse and dout."""
+def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
+    """(dq, dk, dv) of the local shards, given the final local out/lse, dout and optionally
+    an LSE cotangent dlse (b, hq, sq_local)."""
     n = lax.axis_size(cfg.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     f32 = jnp.float32
 
     def run(calls, acc, q, k, v, out, lse, dout):
-        return _bwd_calls(calls, cfg, q, k, v, out, lse, dout, acc)
+        return _bwd_calls(calls, cfg, q, k, v, out, lse, dout, dlse, acc)
 
     if cfg.strategy == "allgather":
         kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
@@ -396,8 +399,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1,
     the GLOBAL sequence, whose order across devices is `layout` ('contiguous' or 'zigzag',
     see the module docstring; the default 'contiguous' is what sharding a naturally ordered
     array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
-    seq_q_local) float32 when `return_lse`); differentiable in q, k, v (the LSE output is
-    not: its cotangent must be zero).
+    seq_q_local) float32 when `return_lse`); differentiable in q, k, v, through out and lse.
     """
     n = lax.axis_size(axis_name)
     _validate(q, k, v, axis_name, strategy, layout, n)
@@ -425,15 +427,10 @@ def _ring_vjp_fwd(q, k, v, cfg):
 def _ring_vjp_bwd(cfg, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
-    if not isinstance(dlse, SymbolicZero):
-        # FA-style backward takes the final out/lse, not a cotangent of the LSE; refusing
-        # is better than silently dropping a gradient.
-        raise NotImplementedError(
-            "ring_attention: the LSE output is not differentiable; the loss may depend on "
-            "`out` only (use lax.stop_gradient on the returned lse)")
-    if isinstance(dout, SymbolicZero):
-        dout = jnp.zeros(dout.shape, dout.dtype)
-    return ring_attention_bwd(q, k, v, out, lse, dout, cfg)
+    if isinstance(dout, SymbolicZero):  # only the lse is differentiated
+        dout = jnp.zeros(out.shape, out.dtype)
+    dlse = None if isinstance(dlse, SymbolicZero) else dlse
+    return ring_attention_bwd(q, k, v, out, lse, dout, cfg, dlse=dlse)
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd, symbolic_zeros=True)

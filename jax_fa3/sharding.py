@@ -63,9 +63,9 @@ def _size(mesh_shape, axes: Axes) -> int:
 class AttentionShardings:
     """Mesh axes chosen for each factor of one attention call.
 
-    batch / seq / heads shard q, out, dq and lse; kv_heads (a prefix of heads) shards the
-    heads of k, v, dk, dv; kv_shared = heads minus kv_heads are the axes over which devices
-    share a kv head (their dK/dV partials are summed)."""
+    batch / seq / heads shard q, out, dq and lse. kv_heads (a prefix of heads) shards the
+    heads of k, v, dk, dv; over the remaining head axes (kv_shared) k/v are replicated, each
+    device picks the one kv head its query heads read, and dK/dV are summed over them."""
     batch: Axes = ()
     seq: Axes = ()
     heads: Axes = ()
@@ -89,21 +89,23 @@ class AttentionShardings:
 
 
 def _head_axes(mesh_shape, axes: Axes, heads_q: int, heads_kv: int) -> tuple[Axes, Axes]:
-    """Longest prefix of the query-head axes with a consistent kv-head sharding.
+    """(query-head axes, kv-head axes): the longest usable prefix of the query's head axes.
 
-    Device t holds query heads [t*hq/P, (t+1)*hq/P). Its kv heads are a contiguous block of
-    the same axes when P divides heads_kv; when P is a multiple of heads_kv, it needs exactly
-    one kv head, i.e. kv sharded by a prefix whose size is exactly heads_kv."""
+    Device t of P holds query heads [t*hq/P, (t+1)*hq/P). K/V are sharded by the longest
+    prefix whose size divides heads_kv; if that is not all of the axes, the device's query
+    heads must fall in ONE kv group (hq/P divides the group size hq/hkv) so that it can take
+    that kv head from its replicated block."""
+    group = heads_q // heads_kv
     for n in range(len(axes), -1, -1):
-        prefix = axes[:n]
-        size = _size(mesh_shape, prefix)
+        heads = axes[:n]
+        size = _size(mesh_shape, heads)
         if heads_q % size:
             continue
-        if heads_kv % size == 0:
-            return prefix, prefix
-        for m in range(n):
-            if _size(mesh_shape, prefix[:m]) == heads_kv:
-                return prefix, prefix[:m]
+        kv = heads
+        while heads_kv % _size(mesh_shape, kv):
+            kv = kv[:-1]
+        if kv == heads or group % (heads_q // size) == 0:
+            return heads, kv
     return (), ()
 
 
@@ -115,7 +117,7 @@ def plan_shardings(mesh_shape: dict, q_spec, q_shape, k_shape) -> AttentionShard
     head_dim is never sharded. A sequence sharding is kept only if it also divides seq_k."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads = _axes(spec[0]), _axes(spec[1]), _axes(spec[2])
-    if k_shape[1] % max(_size(mesh_shape, seq), 1):
+    if k_shape[1] % _size(mesh_shape, seq):
         seq = ()
     heads, kv_heads = _head_axes(mesh_shape, heads, q_shape[2], k_shape[2])
     return AttentionShardings(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads)
@@ -140,8 +142,18 @@ class _Options:
                                implementation=self.implementation)
 
 
+def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
+    """Which local kv head this device's query heads read, when k/v are replicated over
+    plan.kv_shared (device r of those Pr devices holds query heads of kv head r*hk/Pr)."""
+    shared = plan.kv_shared
+    return lax.axis_index(shared) * heads_kv_local // lax.axis_size(shared)
+
+
 def _local_fwd(opts: _Options, plan: AttentionShardings, q, k, v):
     """Per-device forward on local shards (a ring over the sequence axes if sharded)."""
+    if plan.kv_shared:
+        i = _kv_head_index(plan, k.shape[2])
+        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
         return ring.ring_attention_fwd(q, k, v, opts.ring(plan.seq))
     attention_fwd, _ = ring._local_ops()
@@ -151,6 +163,10 @@ def _local_fwd(opts: _Options, plan: AttentionShardings, q, k, v):
 
 def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout):
     """Per-device backward; dK/dV partials are summed over devices sharing a kv head."""
+    k_all, v_all = k, v
+    if plan.kv_shared:
+        i = _kv_head_index(plan, k.shape[2])
+        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
         dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts.ring(plan.seq))
     else:
@@ -160,26 +176,32 @@ def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout
                                    deterministic=opts.deterministic,
                                    implementation=opts.implementation)
     if plan.kv_shared:
-        dk = lax.psum(dk.astype(jnp.float32), plan.kv_shared).astype(k.dtype)
-        dv = lax.psum(dv.astype(jnp.float32), plan.kv_shared).astype(v.dtype)
+        def gather(d, full):  # put this device's kv-head gradient in place, sum over sharers
+            d = lax.dynamic_update_slice_in_dim(jnp.zeros(full.shape, jnp.float32),
+                                                d.astype(jnp.float32), i, axis=2)
+            return lax.psum(d, plan.kv_shared).astype(full.dtype)
+        dk, dv = gather(dk, k_all), gather(dv, v_all)
     return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------- custom_partitioning
 
 def _sharding_rule(q_shape, k_shape, backward: bool) -> tuple[str, dict]:
-    """Shardy rule: batch b, seq s (t for keys if lengths differ), query heads (h g) with kv
-    heads h, head_dim d never sharded."""
-    g = q_shape[2] // k_shape[2]
-    hq = "(h g)" if g > 1 else "h"
+    """Shardy rule: batch b, seq s (t for keys if the lengths differ), query heads h, kv heads
+    k, head_dim d never sharded.
+
+    Query and kv heads are separate factors rather than the compound "(k g)": when the
+    query-head sharding is finer than heads_kv, Shardy would split the mesh axis into
+    sub-axes for k, which custom_partitioning cannot decode into a NamedSharding (it fails
+    before our callback runs). `plan_shardings` keeps the two consistent instead."""
+    hk = "h" if q_shape[2] == k_shape[2] else "k"
     t = "s" if q_shape[1] == k_shape[1] else "t"
-    q, kv, lse = f"b s {hq} d", f"b {t} h d", f"b {hq} s"
+    q, kv, lse = "b s h d", f"b {t} {hk} d", "b h s"
     if backward:
         rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q} -> {q}, {kv}, {kv}"
     else:
         rule = f"{q}, {kv}, {kv} -> {q}, {lse}"
-    sizes = {"g": g} if g > 1 else {}
-    return rule, dict(need_replication_factors=("d",), **sizes)
+    return rule, dict(need_replication_factors=("d",))
 
 
 def _mesh_shape(mesh) -> dict:
@@ -254,7 +276,7 @@ def _explicit_mesh(x):
 
 def _shard_map_call(mesh, body, plan: AttentionShardings, args, in_specs, out_specs):
     """Run `body(plan, *local args)` in a shard_map over the Explicit axes of `mesh`."""
-    args = [jax.sharding.reshard(a, s) for a, s in zip(args, in_specs)]
+    args = [jax.sharding.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
     fn = jax.shard_map(lambda *xs: body(plan, *xs), mesh=mesh, in_specs=tuple(in_specs),
                        out_specs=tuple(out_specs), axis_names=set(mesh.explicit_axes),
                        check_vma=False)
