@@ -1,0 +1,111 @@
+// Online softmax over key blocks, in the exp2 domain with the softmax scale folded in.
+//
+// Scores arrive as raw Q K^T (or tanh(scale * Q K^T / softcap) when softcapping: then the
+// "scale" below is softcap, see SoftmaxScale). For a block of scores S (rows x keys):
+//   m_new = max(m, rowmax(S));  P = exp2(S * scale_log2 - m_new * scale_log2)
+//   alpha = exp2((m - m_new) * scale_log2);  l = l * alpha + rowsum(P);  O = O * alpha + P V
+// Row sums stay per thread (each thread holds a quarter of a row) until finalize(), which
+// reduces them over the quad. Rows that have seen no visible key keep m = -inf: their P is 0,
+// alpha is 1, and finalize() gives O = 0 and LSE = -inf (never NaN).
+#pragma once
+
+#include <cmath>
+
+#include "common/utils.cuh"
+
+namespace fa3 {
+
+// How raw scores become log2-domain logits: logits_log2 = f(S) * scale_log2 with
+// f(S) = S (no softcap) or tanh(S * pre_tanh) (softcap, pre_tanh = softmax_scale / softcap).
+struct SoftmaxScale {
+  float scale_log2;  // softmax_scale * log2(e), or softcap * log2(e) with softcap
+  float pre_tanh;    // softmax_scale / softcap; unused without softcap
+  bool softcap;
+
+  CUTE_HOST_DEVICE static SoftmaxScale make(float softmax_scale, float softcap) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    SoftmaxScale s;
+    s.softcap = softcap > 0.f;
+    s.scale_log2 = (s.softcap ? softcap : softmax_scale) * kLog2e;
+    s.pre_tanh = s.softcap ? softmax_scale / softcap : 1.f;
+    return s;
+  }
+};
+
+// Applies the softcap transform in place (call before masking).
+template <class TS>
+CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
+}
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];  // per-thread partial sums
+  float scale_log2;
+
+  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {}
+
+  CUTE_DEVICE void reset() {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // Exponentiates the (rows, cols) view `s` in place against the updated running max and writes
+  // the factor by which the previous O rows must be multiplied into alpha[r]. kFirst: no history
+  // (alpha is not written).
+  template <bool kFirst, class TS>
+  CUTE_DEVICE void update(TS& s, float (&alpha)[kRows]) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float m = kFirst ? -INFINITY : row_max[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      m = quad_max(m);
+      // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
+      float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      if constexpr (!kFirst) {
+        alpha[r] = exp2f(row_max[r] * scale_log2 - m_scaled);  // exp2(-inf) = 0; 1 if unchanged
+        row_sum[r] *= alpha[r];
+      }
+      row_max[r] = m;
+      float sum = kFirst ? 0.f : row_sum[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
+        sum += s(r, c);
+      }
+      row_sum[r] = sum;
+    }
+  }
+
+  // Reduces the row sums over the quad; returns 1/l per row (0 for rows with no visible key)
+  // and writes the natural-log LSE per row (-inf for those rows).
+  CUTE_DEVICE void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float l = quad_sum(row_sum[r]);
+      bool empty = !(l > 0.f);
+      inv_sum[r] = empty ? 0.f : 1.f / l;
+      lse[r] = empty ? -INFINITY : (row_max[r] * scale_log2 + __log2f(l)) * kLn2;
+    }
+  }
+};
+
+// Multiplies each row r of a (rows, cols) view by f[r].
+template <int kRows, class TO>
+CUTE_DEVICE void scale_rows(TO& o, float const (&f)[kRows]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < kRows; ++r) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(o); ++c) o(r, c) *= f[r];
+  }
+}
+
+}  // namespace fa3

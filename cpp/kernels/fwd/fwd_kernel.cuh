@@ -1,0 +1,379 @@
+// FlashAttention-3 style forward kernel for Hopper (sm_90a).
+//
+// One CTA = 1 producer warpgroup + kNumMmaWG consumer warpgroups, persistent over output tiles
+// of kBlockM query rows of one (batch, head):
+//   * producer (one thread of warpgroup 0, registers lowered with setmaxnreg): TMA loads of the
+//     Q tile (once per tile, one 64-row slab per consumer) and of the K/V blocks into a
+//     kStages-deep shared-memory ring (cutlass::PipelineTmaAsync, separate rings for K and V so
+//     that S = Q K^T of a block can start before its V has landed);
+//   * consumers (registers raised): each owns 64 query rows. S = Q K^T by SS-WGMMA, online
+//     softmax in registers (exp2 domain, scale folded in), O += P V by RS-WGMMA with P converted
+//     in registers. Intra-warpgroup overlap: the Q K^T of block n is issued together with the
+//     P V of block n+1, and the softmax of block n runs while that P V is in flight.
+//     Ping-pong (kPingPong): named barriers order the two consumer warpgroups' GEMM issue so
+//     that one's softmax overlaps the other's GEMMs.
+//   * epilogue: O normalised, converted, written with stmatrix into the consumer's own Q slab
+//     (Q is dead by then), TMA-stored; LSE fp32 written directly. The slab is handed back to the
+//     producer (q_empty barrier) once the store has read it.
+// Key blocks are walked from the last to the first, so boundary blocks (causal diagonal,
+// ragged seqlen_k end) come first; blocks outside the band are never loaded, and the
+// per-element mask runs only on blocks that are not wholly inside the band.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/mask.cuh"
+#include "common/softmax.cuh"
+#include "common/tile_scheduler.cuh"
+#include "common/utils.cuh"
+
+namespace fa3 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
+          bool kPingPong_ = false>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kNumMmaWG = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWG * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;
+  // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
+  //   2 consumers: 128 * 24 + 256 * 240 = 64512;   3 consumers: 128 * 32 + 384 * 160 = 65536.
+  static constexpr int kProducerRegs = kNumMmaWG == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumMmaWG == 2 ? 240 : 160;
+  static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
+  static_assert(!kPingPong || kNumMmaWG == 2, "ping-pong schedules two consumer warpgroups");
+
+  using D = Int<kHeadDim>;
+  using BN = Int<kBlockN>;
+
+  // Per consumer warpgroup: S (64 x kBlockN) = Q (64 x d) K^T, both K-major in smem;
+  // O (64 x d) += P (64 x kBlockN, registers) V, V read as an MN-major (d x kBlockN) view.
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
+
+  using SmemAtomQ = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutQ1 = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D>{}));  // one slab
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>>{}));
+  using SmemAtomK = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutK1 = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D>{}));  // one stage
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D, Int<kStages>>{}));
+  // V is stored like K ((n, d), d contiguous); the P V GEMM reads it as (d, n) with d contiguous.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // Q; O staging in the epilogue
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
+    alignas(16) uint64_t q_full;   // TMA of the Q tile landed
+    alignas(16) uint64_t q_empty;  // every consumer's O store has read its slab
+    alignas(16) typename Pipeline::SharedStorage pipe_k;
+    alignas(16) typename Pipeline::SharedStorage pipe_v;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
+  // Global tensors as (seqlen, d, heads, batch): the TMA box is (rows, d) of one (head, batch).
+  using GShape = Shape<int, D, int, int>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensorIn = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}));
+  using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GShape{}, GStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutQ1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutK1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensorOut>(), SmemLayoutQ1{}));
+
+  struct Params {
+    TmaQ tma_q;
+    TmaKV tma_k;
+    TmaKV tma_v;
+    TmaO tma_o;
+    int seqlen_q, seqlen_k, heads_q, heads_kv, batch;
+    int group;  // heads_q / heads_kv
+    BandMask mask;
+    SoftmaxScale scale;
+    float* lse;
+    StaticTileScheduler sched;
+  };
+
+  // Named barrier ids (CUTLASS reserves the ones below its FirstUserBarrier; NamedBarrier adds
+  // that offset): one per consumer warpgroup for the epilogue, two for the ping-pong.
+  static constexpr int kBarEpilogue = 0;               // + wg, wg < 3
+  static constexpr int kBarPingPong = kBarEpilogue + 3;  // + wg, wg < 2
+};
+
+template <class T>
+CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedStorage& ss,
+                              typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v) {
+  using Element = typename T::Element;
+  using D = typename T::D;
+  using BN = typename T::BN;
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+
+  auto k_state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  auto v_state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  int q_empty_phase = 0;
+  bool first_tile = true;
+  int const num_tiles = p.sched.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    TileCoord c = p.sched.decode(t);
+    int row_lo = c.m_block * T::kBlockM;
+    int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+    int n_begin, n_end;
+    p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
+    int hk = c.head / p.group;
+
+    Tensor gK = local_tile(mK(_, _, hk, c.batch), Shape<BN, D>{}, make_coord(_, _0{}));  // (n, d, blocks)
+    Tensor gV = local_tile(mV(_, _, hk, c.batch), Shape<BN, D>{}, make_coord(_, _0{}));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+
+    // The first K block does not depend on the Q slabs: issue it before waiting for them.
+    int n = n_end - 1;
+    if (n_begin < n_end) {
+      pipe_k.producer_acquire(k_state);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(k_state)), tKgK(_, n), tKsK(_, k_state.index()));
+      ++k_state;
+    }
+    // The Q slabs double as O staging: wait until the previous tile's O stores have read them.
+    if (!first_tile) {
+      ClusterBarrier::wait(&ss.q_empty, q_empty_phase);
+      q_empty_phase ^= 1;
+    }
+    first_tile = false;
+    if (n_begin >= n_end) {
+      // No visible key: nothing to load; the consumers write O = 0, LSE = -inf. Still complete
+      // a q_full phase, so that consumers never run more than one tile ahead of the producer
+      // (the q_empty parity waits rely on it).
+      ClusterBarrier::arrive(&ss.q_full);
+      continue;
+    }
+
+    Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));  // (64, d, slabs)
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    TxBarrier::arrive_and_expect_tx(&ss.q_full, T::kBlockM * T::kHeadDim * int(sizeof(Element)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int w = 0; w < T::kNumMmaWG; ++w)
+      copy(p.tma_q.with(ss.q_full), tQgQ(_, c.m_block * T::kNumMmaWG + w), tQsQ(_, w));
+
+    pipe_v.producer_acquire(v_state);
+    copy(p.tma_v.with(*pipe_v.producer_get_barrier(v_state)), tVgV(_, n), tVsV(_, v_state.index()));
+    ++v_state;
+    for (--n; n >= n_begin; --n) {
+      pipe_k.producer_acquire(k_state);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(k_state)), tKgK(_, n), tKsK(_, k_state.index()));
+      ++k_state;
+      pipe_v.producer_acquire(v_state);
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(v_state)), tVgV(_, n), tVsV(_, v_state.index()));
+      ++v_state;
+    }
+  }
+}
+
+template <class T>
+CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedStorage& ss,
+                              typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, int wg) {
+  using Element = typename T::Element;
+  using D = typename T::D;
+  using BN = typename T::BN;
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  using cutlass::arch::NamedBarrier;
+
+  int const tid = threadIdx.x % 128;  // thread in this warpgroup
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+  Tensor sQw = sQ(_, _, wg);  // this warpgroup's 64 query rows; its O staging at the end
+
+  typename T::MmaQK mma_qk;
+  typename T::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQw);  // descriptors (MMA, 1, d/16)
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, d/16, stages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, n/16, stages)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<_64, D>{});
+  Tensor tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  Tensor S = rowcol_view(tSrS);
+  Tensor O = rowcol_view(tOrO);
+  Tensor cS = rowcol_view(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
+  constexpr int kRows = decltype(size<0>(S))::value;
+  static_assert(kRows == 2);
+
+  OnlineSoftmax<kRows> softmax(p.scale.scale_log2);
+  typename T::PipelineState k_state, v_state;  // consumers start at phase 0
+  int q_phase = 0;
+  bool const softcap = p.scale.softcap;
+  float const pre_tanh = p.scale.pre_tanh;
+
+  // Ping-pong: warpgroup wg may issue its GEMMs once the other one has issued its own.
+  auto pingpong_wait = [&]() {
+    if constexpr (T::kPingPong) NamedBarrier::sync(2 * 128, T::kBarPingPong + wg);
+  };
+  auto pingpong_signal = [&]() {
+    if constexpr (T::kPingPong) NamedBarrier::arrive(2 * 128, T::kBarPingPong + (1 - wg));
+  };
+
+  // Warpgroup 0 issues first: give it the turn that warpgroup 1 would otherwise hand over.
+  if constexpr (T::kPingPong) {
+    if (wg == 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
+  }
+
+  int const num_tiles = p.sched.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    TileCoord c = p.sched.decode(t);
+    int row_lo = c.m_block * T::kBlockM;
+    int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+    int n_begin, n_end;
+    p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
+    // This warpgroup's rows, for the interior test (rows past seqlen_q are never stored).
+    int wrow_lo = row_lo + wg * 64;
+    int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
+
+    clear(tOrO);
+    softmax.reset();
+    // Completed by the TMA of Q, or by a plain arrive for a tile without keys.
+    ClusterBarrier::wait(&ss.q_full, q_phase);
+    q_phase ^= 1;
+    if (n_begin < n_end) {
+      float alpha[kRows];
+
+      // Last key block first (it may be a boundary block): S, softmax, P.
+      int n = n_end - 1;
+      pipe_k.consumer_wait(k_state);
+      pingpong_wait();
+      wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+      pingpong_signal();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      pipe_k.consumer_release(k_state);
+      ++k_state;
+      if (softcap) apply_softcap(tSrS, pre_tanh);
+      if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
+        p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+      softmax.template update<true>(S, alpha);
+      convert_into(tSrS, tOrP);
+
+      // Steady state: S_n = Q K_n^T and O += P_{n+1} V_{n+1} in flight together; the softmax
+      // of S_n runs while P V is still computing.
+      for (--n; n >= n_begin; --n) {
+        pipe_k.consumer_wait(k_state);
+        pingpong_wait();
+        wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+        pipe_v.consumer_wait(v_state);
+        wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        pingpong_signal();
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        pipe_k.consumer_release(k_state);
+        ++k_state;
+        if (softcap) apply_softcap(tSrS, pre_tanh);
+        if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
+          p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        softmax.template update<false>(S, alpha);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        pipe_v.consumer_release(v_state);
+        ++v_state;
+        scale_rows(O, alpha);
+        convert_into(tSrS, tOrP);
+      }
+
+      pipe_v.consumer_wait(v_state);
+      pingpong_wait();
+      wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+      pingpong_signal();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      pipe_v.consumer_release(v_state);
+      ++v_state;
+    }
+
+    // Epilogue: O / l and LSE.
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(inv_sum, lse);
+    scale_rows(O, inv_sum);
+    if (tid % 4 == 0) {
+      float* lse_bh = p.lse + (int64_t(c.batch) * p.heads_q + c.head) * p.seqlen_q;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = wrow_lo + get<0>(cS(r, 0));
+        if (row < p.seqlen_q) lse_bh[row] = lse[r];
+      }
+    }
+    Tensor rO = make_tensor<Element>(tOrO.layout());
+    convert_into(tOrO, rO);
+    auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+    auto thr_copy_o = copy_o.get_thread_slice(tid);
+    Tensor tOrO_s = thr_copy_o.retile_S(rO);
+    Tensor tOsO = thr_copy_o.partition_D(sQw);
+    copy(copy_o, tOrO_s, tOsO);
+    cutlass::arch::fence_view_async_shared();  // stmatrix writes -> visible to the TMA store
+    NamedBarrier::sync(128, T::kBarEpilogue + wg);
+    if (tid == 0) {
+      Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
+      Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));
+      auto [tOgO, tOsO_tma] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
+      copy(p.tma_o, tOsO_tma(_, wg), tOgO(_, c.m_block * T::kNumMmaWG + wg));
+      tma_store_arrive();
+      tma_store_wait<0>();  // the slab has been read; the producer may load the next Q into it
+      ClusterBarrier::arrive(&ss.q_empty);
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant__ typename T::Params const p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem_raw);
+  int const warp_group = cutlass::canonical_warp_group_idx();
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kNumMmaWG);
+  }
+  typename T::Pipeline::Params pp;
+  pp.transaction_bytes = T::kBlockN * T::kHeadDim * int(sizeof(typename T::Element));
+  pp.role = warp_group == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = T::kNumMmaThreads;
+  typename T::Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
+  }
+}
+
+}  // namespace fa3
