@@ -1,0 +1,441 @@
+"""jax_fa3.nn: Flax NNX/Linen and Equinox attention modules and the Flax attention_fn adapter.
+
+Each module is checked against a plain computation with the same weights (Flax's and
+Equinox's own attention modules where they can express the configuration, a dense float32
+reference otherwise), forward and gradients; under jit/grad/vmap; and through a state
+round trip. Shapes are small: these tests check wiring, the kernels have their own tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import jax_fa3.nn
+from jax_fa3.nn.rope import apply_rope
+
+flax = pytest.importorskip("flax")
+eqx = pytest.importorskip("equinox")
+from flax import linen, nnx  # noqa: E402
+from flax import serialization  # noqa: E402
+
+from jax_fa3.nn.equinox import MultiheadAttention as EqxAttention  # noqa: E402
+from jax_fa3.nn.flax import (  # noqa: E402
+    LinenMultiHeadAttention,
+    MultiHeadAttention,
+    attention_fn,
+    make_attention_fn,
+)
+
+HIGHEST = jax.lax.Precision.HIGHEST
+F, H = 32, 4  # model width and query heads; head_dim = 8
+
+
+def assert_close(got, want, tol=2e-5, name="", scale=None):
+    """Max abs error relative to the largest reference magnitude (float32 wiring checks)."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    scale = max(float(np.abs(want).max()) if scale is None else scale, 1e-6)
+    err = float(np.abs(got - want).max()) / scale
+    assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+
+
+def assert_trees_close(got, want, tol=2e-5):
+    """Leaf by leaf, relative to the largest magnitude in the whole tree: some gradients are
+    zero up to rounding (a key bias cannot change a softmax), so a per-leaf scale is noise."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    scale = max(float(jnp.abs(w).max()) for w in jax.tree.leaves(want))
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert_close(g, w, tol, jax.tree_util.keystr(path), scale=scale)
+
+
+def inputs(seed, *shape):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+# ------------------------------------------------------------------ plain reference computation
+
+
+def ref_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0):
+    """Dense attention, float32 at HIGHEST precision, bottom-right aligned band mask."""
+    hq, sq, sk = q.shape[-2], q.shape[-3], k.shape[-3]
+    k = jnp.repeat(k, hq // k.shape[-2], axis=-2)
+    v = jnp.repeat(v, hq // v.shape[-2], axis=-2)
+    s = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST) / np.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * jnp.tanh(s / softcap)
+    lo, hi = helpers.resolve_band(sq, sk, causal=causal, window_size=window_size)
+    s = jnp.where(helpers.band_mask(sq, sk, lo, hi), s, -jnp.inf)
+    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(s, -1), v, precision=HIGHEST)
+
+
+def ref_mha(p, xq, xkv, *, rope=False, q_pos=None, k_pos=None, **opts):
+    """Multi-head attention from a Flax-layout params dict {query,key,value,out: {kernel,bias}}."""
+
+    def proj(name, x):
+        y = jnp.einsum("...f,fhd->...hd", x, p[name]["kernel"], precision=HIGHEST)
+        return y + p[name]["bias"] if "bias" in p[name] else y
+
+    q, k, v = proj("query", xq), proj("key", xkv), proj("value", xkv)
+    if rope:
+        q, k = apply_rope(q, q_pos), apply_rope(k, k_pos)
+    o = ref_attention(q, k, v, **opts)
+    y = jnp.einsum("...hd,hdf->...f", o, p["out"]["kernel"], precision=HIGHEST)
+    return y + p["out"]["bias"] if "bias" in p["out"] else y
+
+
+def nnx_params(module):
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+# ------------------------------------------------------------------ Flax NNX module
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
+def test_nnx_matches_flax_mha(causal, num_kv_heads):
+    ours = MultiHeadAttention(H, F, num_kv_heads=num_kv_heads, causal=causal, rngs=nnx.Rngs(0))
+    stock = nnx.MultiHeadAttention(H, F, num_kv_heads=num_kv_heads, decode=False, rngs=nnx.Rngs(1))
+    nnx.update(stock, nnx.state(ours, nnx.Param))  # the layouts agree: weights port as is
+    x = inputs(2, 2, 13, F)
+    dy = inputs(3, 2, 13, F)
+
+    def loss(m, call):
+        return jnp.sum(call(m) * dy)
+
+    assert_close(ours(x), stock(x, is_causal=causal), name="forward")
+    g_ours = nnx.grad(loss)(ours, lambda m: m(x))
+    g_stock = nnx.grad(loss)(stock, lambda m: m(x, is_causal=causal))
+    assert_trees_close(nnx.to_pure_dict(nnx.state(g_ours)), nnx.to_pure_dict(nnx.state(g_stock)), 1e-4)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(causal=True, rope=True),
+        dict(window_size=(3, 2), softcap=5.0),
+        dict(causal=True, window_size=(4, -1), rope=True),
+    ],
+)
+def test_nnx_options_match_reference(opts):
+    opts = dict(opts)
+    rope = opts.pop("rope", False)
+    m = MultiHeadAttention(H, F, num_kv_heads=2, rope=rope, rngs=nnx.Rngs(0), **opts)
+    xq, xkv = inputs(1, 2, 7, F), inputs(2, 2, 11, F)  # cross-attention, seqlen_q != seqlen_k
+    q_pos, k_pos = jnp.arange(7) + 4, jnp.arange(11)  # the documented RoPE defaults
+
+    graphdef, p = nnx.split(m)
+
+    def ours(p):
+        return nnx.merge(graphdef, p)(xq, xkv)
+
+    def ref(p):
+        return ref_mha(nnx.to_pure_dict(p), xq, xkv, rope=rope, q_pos=q_pos, k_pos=k_pos, **opts)
+
+    assert_close(ours(p), ref(p), name="forward")
+    dy = inputs(3, 2, 7, F)
+    g_ours = jax.grad(lambda p: jnp.sum(ours(p) * dy))(p)
+    g_ref = jax.grad(lambda p: jnp.sum(ref(p) * dy))(p)
+    assert_trees_close(nnx.to_pure_dict(g_ours), nnx.to_pure_dict(g_ref), 1e-4)
+
+
+def test_nnx_rope_positions():
+    """Explicit positions are used for queries and (in self-attention) keys; shifting all
+    positions together leaves RoPE attention unchanged."""
+    m = MultiHeadAttention(H, F, causal=True, rope=True, rngs=nnx.Rngs(0))
+    x = inputs(1, 2, 9, F)
+    pos = jnp.arange(9)
+    assert_close(m(x, positions=pos), m(x), name="default positions")
+    assert_close(m(x, positions=pos + 100), m(x), tol=1e-4, name="shift invariance")
+    want = ref_mha(nnx_params(m), x, x, rope=True, q_pos=pos * 2, k_pos=pos * 2, causal=True)
+    assert_close(m(x, positions=pos * 2), want, name="custom positions")
+    with pytest.raises(ValueError, match="rope=True"):
+        MultiHeadAttention(H, F, rngs=nnx.Rngs(0))(x, positions=pos)
+
+
+def test_nnx_jit_grad_vmap():
+    m = MultiHeadAttention(H, F, num_kv_heads=2, causal=True, rope=True, rngs=nnx.Rngs(0))
+    x = inputs(1, 3, 10, F)
+    eager = m(x)
+    assert_close(nnx.jit(lambda m, x: m(x))(m, x), eager, name="jit")
+    # Unbatched inputs under vmap: the module sees (seqlen, features).
+    assert_close(jax.vmap(lambda x: m(x))(x), eager, name="vmap")
+    graphdef, params = nnx.split(m)
+
+    @jax.jit
+    def loss(params, x):
+        return jnp.mean(nnx.merge(graphdef, params)(x) ** 2)
+
+    g = jax.grad(loss)(params, x)
+    assert all(bool(jnp.isfinite(a).all()) and float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g))
+
+
+def test_nnx_state_roundtrip():
+    m = MultiHeadAttention(H, F, num_kv_heads=2, causal=True, rngs=nnx.Rngs(0))
+    x = inputs(1, 2, 6, F)
+    graphdef, state = nnx.split(m)
+    assert_close(nnx.merge(graphdef, state)(x), m(x), 0, "split/merge")
+    # Through a plain dict of numpy arrays (what a checkpoint holds) into a fresh module.
+    saved = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(m)))
+    fresh = MultiHeadAttention(H, F, num_kv_heads=2, causal=True, rngs=nnx.Rngs(7))
+    state = nnx.state(fresh)
+    nnx.replace_by_pure_dict(state, saved)
+    nnx.update(fresh, state)
+    assert_close(fresh(x), m(x), 0, "pure dict")
+
+
+def test_nnx_bf16_compute():
+    m = MultiHeadAttention(H, F, causal=True, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    x = inputs(1, 2, 16, F)
+    y = m(x)
+    assert y.dtype == jnp.bfloat16
+    assert_close(y.astype(jnp.float32), ref_mha(nnx_params(m), x, x, causal=True), tol=3e-2)
+
+
+def test_module_rejects_bad_config():
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        MultiHeadAttention(4, F, num_kv_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="num_heads"):
+        MultiHeadAttention(5, F, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="in_features|features"):
+        MultiHeadAttention(H, F, rngs=nnx.Rngs(0))(inputs(0, 2, 4, F + 1))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        EqxAttention(4, F, num_kv_heads=3, key=jax.random.key(0))
+    with pytest.raises(ValueError, match="unbatched"):
+        EqxAttention(H, F, key=jax.random.key(0))(inputs(0, 2, 4, F))
+
+
+# ------------------------------------------------------------------ attention_fn adapter
+
+
+def _padding_mask(batch_shape, sq, sk, seed):
+    lengths = jax.random.randint(jax.random.key(seed), batch_shape, sk // 2, sk + 1)
+    valid_k = jnp.arange(sk) < lengths[..., None]
+    return nnx.make_attention_mask(jnp.ones(batch_shape + (sq,)), valid_k)  # float 0/1 mask
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 2])
+def test_attention_fn_in_stock_nnx_mha(num_kv_heads):
+    kwargs = dict(num_kv_heads=num_kv_heads, decode=False)
+    stock = nnx.MultiHeadAttention(H, F, rngs=nnx.Rngs(0), **kwargs)
+    ours = nnx.MultiHeadAttention(H, F, attention_fn=attention_fn, rngs=nnx.Rngs(0), **kwargs)
+    x = inputs(1, 2, 3, 9, F)  # two batch axes
+    mask = _padding_mask((2, 3), 9, 9, seed=2)
+    for call in (
+        dict(),
+        dict(is_causal=True),
+        dict(mask=mask),
+        dict(mask=mask, is_causal=True),
+    ):
+        assert_close(ours(x, **call), stock(x, **call), name=str(list(call)))
+    dy = inputs(4, 2, 3, 9, F)
+    g = [nnx.grad(lambda m: jnp.sum(m(x, mask=mask, is_causal=True) * dy))(m) for m in (ours, stock)]
+    assert_trees_close(nnx.to_pure_dict(nnx.state(g[0])), nnx.to_pure_dict(nnx.state(g[1])), 1e-4)
+
+
+def test_attention_fn_nnx_decode_cache():
+    """Decoding token by token with Flax's KV cache (which passes a mask) matches the causal
+    forward over the whole sequence."""
+    m = nnx.MultiHeadAttention(H, F, num_kv_heads=2, decode=False, attention_fn=attention_fn,
+                               rngs=nnx.Rngs(0))
+    x = inputs(1, 2, 6, F)
+    full = m(x, is_causal=True)
+    m.init_cache(x.shape)
+    steps = [m(x[:, i : i + 1], decode=True) for i in range(x.shape[1])]
+    assert_close(jnp.concatenate(steps, axis=1), full, name="decode")
+
+
+def test_attention_fn_unbatched_and_bias():
+    q, k, v = inputs(1, 5, H, 8), inputs(2, 7, 2, 8), inputs(3, 7, 2, 8)
+    bias = inputs(4, H, 5, 7)
+    want = nnx.dot_product_attention(q, k, v, bias=bias)
+    assert_close(attention_fn(q, k, v, bias=bias), want, name="unbatched + bias")
+
+
+def test_attention_fn_handles_or_rejects_every_flax_argument():
+    stock_args = ("mask", "dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic",
+                  "dtype", "precision", "module", "is_causal", "bias", "promote_dtype")
+    params = importlib.import_module("inspect").signature(attention_fn).parameters
+    assert all(a in params for a in stock_args)
+
+    x = inputs(1, 2, 5, F)
+    # Dropout configured but off (deterministic) is fine; on, it is an error.
+    m = nnx.MultiHeadAttention(H, F, dropout_rate=0.1, decode=False, attention_fn=attention_fn,
+                               rngs=nnx.Rngs(0, dropout=1))
+    m(x, deterministic=True)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        m(x, deterministic=False)
+    m = nnx.MultiHeadAttention(H, F, decode=False, attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="sow_weights"):
+        m(x, sow_weights=True)
+    with pytest.raises(ValueError, match="precision"):
+        nnx.MultiHeadAttention(H, F, decode=False, precision=HIGHEST, attention_fn=attention_fn,
+                               rngs=nnx.Rngs(0))(x)
+    lenient = make_attention_fn(ignore_precision=True)
+    nnx.MultiHeadAttention(H, F, decode=False, precision=HIGHEST, attention_fn=lenient,
+                           rngs=nnx.Rngs(0))(x)
+    q = inputs(2, 2, 5, H, 8)
+    with pytest.raises(NotImplementedError, match="einsum"):
+        attention_fn(q, q, q, qk_attn_weights_einsum=jnp.einsum)
+
+
+def test_attention_fn_in_linen_mha():
+    x = inputs(1, 2, 8, F)
+    mask = _padding_mask((2,), 8, 8, seed=3) * linen.make_causal_mask(jnp.ones((2, 8)))
+    stock = linen.MultiHeadDotProductAttention(num_heads=H)
+    ours = linen.MultiHeadDotProductAttention(num_heads=H, attention_fn=attention_fn)
+    params = stock.init(jax.random.key(0), x)
+    assert_close(ours.apply(params, x, mask=mask), stock.apply(params, x, mask=mask))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        linen.MultiHeadDotProductAttention(num_heads=H, dropout_rate=0.5, attention_fn=attention_fn
+                                           ).apply(params, x, deterministic=False,
+                                                   rngs={"dropout": jax.random.key(1)})
+
+
+# ------------------------------------------------------------------ Flax Linen module
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_linen_matches_flax_mha(causal):
+    ours = LinenMultiHeadAttention(num_heads=H, causal=causal)
+    stock = linen.MultiHeadDotProductAttention(num_heads=H)
+    x, dy = inputs(1, 2, 10, F), inputs(2, 2, 10, F)
+    params = ours.init(jax.random.key(0), x)
+    assert jax.tree.structure(params) == jax.tree.structure(stock.init(jax.random.key(0), x))
+    mask = linen.make_causal_mask(jnp.ones((2, 10))) if causal else None
+
+    def loss(module, params, **kw):
+        return jnp.sum(module.apply(params, x, **kw) * dy)
+
+    assert_close(ours.apply(params, x), stock.apply(params, x, mask=mask), name="forward")
+    assert_trees_close(jax.grad(lambda p: loss(ours, p))(params),
+                       jax.grad(lambda p: loss(stock, p, mask=mask))(params), 1e-4)
+
+
+def test_linen_gqa_rope_matches_reference_and_roundtrips():
+    m = LinenMultiHeadAttention(num_heads=H, num_kv_heads=2, causal=True, rope=True, softcap=8.0)
+    x = inputs(1, 2, 12, F)
+    params = m.init(jax.random.key(0), x)
+    pos = jnp.arange(12)
+    want = ref_mha(params["params"], x, x, rope=True, q_pos=pos, k_pos=pos, causal=True, softcap=8.0)
+    y = jax.jit(m.apply)(params, x)
+    assert_close(y, want, name="forward")
+    dy = inputs(2, 2, 12, F)
+    g = jax.grad(lambda p: jnp.sum(m.apply(p, x) * dy))(params)["params"]
+    g_ref = jax.grad(lambda p: jnp.sum(
+        ref_mha(p, x, x, rope=True, q_pos=pos, k_pos=pos, causal=True, softcap=8.0) * dy))(params["params"])
+    assert_trees_close(g, g_ref, 1e-4)
+    assert_close(jax.vmap(lambda x: m.apply(params, x))(x), y, name="vmap")
+    restored = serialization.from_bytes(m.init(jax.random.key(5), x), serialization.to_bytes(params))
+    assert_close(jax.jit(m.apply)(restored, x), y, 0, "serialization round trip")
+
+
+# ------------------------------------------------------------------ Equinox module
+
+
+def eqx_as_flax_params(m, head_dim=8):
+    """The Equinox projections as a Flax-layout dict, for ref_mha."""
+
+    def proj(lin):
+        w = lin.weight.T  # (in, heads * head_dim)
+        p = {"kernel": w.reshape(w.shape[0], -1, head_dim)}
+        if lin.bias is not None:
+            p["bias"] = lin.bias.reshape(-1, head_dim)
+        return p
+
+    out = {"kernel": m.output_proj.weight.T.reshape(-1, head_dim, m.output_proj.weight.shape[0])}
+    if m.output_proj.bias is not None:
+        out["bias"] = m.output_proj.bias
+    return {"query": proj(m.query_proj), "key": proj(m.key_proj), "value": proj(m.value_proj), "out": out}
+
+
+def test_eqx_matches_equinox_mha():
+    ours = EqxAttention(H, F, use_query_bias=True, use_output_bias=True, key=jax.random.key(0))
+    stock = eqx.nn.MultiheadAttention(H, F, use_query_bias=True, use_output_bias=True,
+                                      key=jax.random.key(0))
+    assert jax.tree.structure(eqx.filter(ours, eqx.is_array)) is not None
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj"):  # same layout, same init
+        assert_close(getattr(ours, name).weight, getattr(stock, name).weight, 0, name)
+    x, dy = inputs(1, 9, F), inputs(2, 9, F)
+    assert_close(ours(x), stock(x, x, x), name="forward")
+
+    def loss(m, call):
+        return jnp.sum(call(m) * dy)
+
+    g_ours = eqx.filter_grad(loss)(ours, lambda m: m(x))
+    g_stock = eqx.filter_grad(loss)(stock, lambda m: m(x, x, x))
+    for name in ("query_proj", "key_proj", "value_proj", "output_proj"):
+        assert_trees_close(getattr(g_ours, name), getattr(g_stock, name), 1e-4)
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True, rope=True), dict(window_size=(2, 1), softcap=4.0)])
+def test_eqx_gqa_options_match_reference(opts):
+    m = EqxAttention(H, F, num_kv_heads=2, use_query_bias=True, key=jax.random.key(0), **opts)
+    opts = dict(opts)
+    rope = opts.pop("rope", False)
+    xq, xkv, dy = inputs(1, 6, F), inputs(2, 10, F), inputs(3, 6, F)
+    q_pos, k_pos = jnp.arange(6) + 4, jnp.arange(10)
+    want = ref_mha(eqx_as_flax_params(m), xq, xkv, rope=rope, q_pos=q_pos, k_pos=k_pos, **opts)
+    assert_close(m(xq, xkv), want, name="forward")
+    g = eqx.filter_grad(lambda m: jnp.sum(m(xq, xkv) * dy))(m)
+    g_ref = jax.grad(lambda p: jnp.sum(
+        ref_mha(p, xq, xkv, rope=rope, q_pos=q_pos, k_pos=k_pos, **opts) * dy))(eqx_as_flax_params(m))
+    assert_trees_close(eqx_as_flax_params(g), g_ref, 1e-4)
+
+
+def test_eqx_vmap_jit_grad_and_serialisation():
+    m = EqxAttention(H, F, num_kv_heads=1, causal=True, rope=True, key=jax.random.key(0))
+    x = inputs(1, 3, 10, F)
+    batched = eqx.filter_jit(jax.vmap(m))(x)
+    assert_close(batched, jnp.stack([m(xi) for xi in x]), name="vmap vs loop")
+    # vmap over the model too (an ensemble of attention layers), as Equinox users do.
+    keys = jax.random.split(jax.random.key(1), 2)
+    ensemble = eqx.filter_vmap(lambda k: EqxAttention(H, F, causal=True, key=k))(keys)
+    ys = eqx.filter_vmap(lambda mod, x: jax.vmap(mod)(x))(ensemble, jnp.stack([x, x]))
+    assert ys.shape == (2, 3, 10, F)
+
+    g = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(m)
+    assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(eqx.filter(g, eqx.is_array)))
+
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, m)
+    buf.seek(0)
+    like = EqxAttention(H, F, num_kv_heads=1, causal=True, rope=True, key=jax.random.key(9))
+    restored = eqx.tree_deserialise_leaves(buf, like)
+    assert_close(eqx.filter_jit(jax.vmap(restored))(x), batched, 0, "serialise")
+    leaves, treedef = jax.tree_util.tree_flatten(m)
+    assert_close(eqx.filter_jit(jax.vmap(jax.tree_util.tree_unflatten(treedef, leaves)))(x), batched, 0,
+                 "flatten")
+
+
+# ------------------------------------------------------------------ RoPE and optional imports
+
+
+def test_rope_is_relative():
+    q, k = inputs(1, 1, 8, 8), inputs(2, 1, 8, 8)  # (seq=1, heads, dim)
+    def score(m, n):
+        return jnp.sum(apply_rope(q, jnp.array([m])) * apply_rope(k, jnp.array([n])), -1)
+    assert_close(score(3, 1), score(10, 8), 1e-5)
+    assert_close(jnp.linalg.norm(apply_rope(q, jnp.array([5])), axis=-1), jnp.linalg.norm(q, axis=-1))
+    with pytest.raises(ValueError, match="even"):
+        apply_rope(inputs(0, 1, 1, 7), jnp.array([0]))
+
+
+@pytest.mark.parametrize("extra, package", [("flax", "flax"), ("equinox", "equinox")])
+def test_missing_optional_dependency_names_the_extra(monkeypatch, extra, package):
+    for name in list(sys.modules):
+        if name == package or name.startswith(package + "."):
+            monkeypatch.setitem(sys.modules, name, None)  # None makes `import` raise ImportError
+    monkeypatch.delitem(sys.modules, f"jax_fa3.nn.{extra}")
+    monkeypatch.delattr(jax_fa3.nn, extra)
+    with pytest.raises(ImportError, match=rf"pip install 'jax-fa3\[{extra}\]'"):
+        importlib.import_module(f"jax_fa3.nn.{extra}")
+    with pytest.raises(ImportError, match=rf"jax-fa3\[{extra}\]"):
+        getattr(jax_fa3.nn, extra)
