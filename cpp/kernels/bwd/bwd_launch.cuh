@@ -1,0 +1,126 @@
+// Host side of the backward for one (Element, head dim): workspace layout and the three launches
+// (preprocess, main, postprocess) on the caller's stream. No host sync, no allocation, no state.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "bwd/bwd_main.cuh"
+#include "bwd/bwd_prepost.cuh"
+#include "common/softmax.cuh"
+#include "fa3/launch.h"
+#include "fa3/params.h"
+
+namespace fa3 {
+namespace bwd {
+
+// Workspace (each part 256-byte aligned), sq_pad = m_blocks * kBlockM:
+//   lse_log2 (b, hq, sq_pad) f32 | dpsum (b, hq, sq_pad) f32 | dq_accum (b, hq, sq_pad, d) f32 |
+//   dq_sem (b, hq, m_blocks) i32
+struct Workspace {
+  size_t lse_off, dpsum_off, dq_off, sem_off, total;
+};
+
+inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+template <class Tr>
+Workspace workspace_layout(const BwdParams& p) {
+  const size_t m_blocks = (size_t(p.shape.seqlen_q) + Tr::kBlockM - 1) / Tr::kBlockM;
+  const size_t bh = size_t(p.shape.batch) * p.shape.heads_q;
+  const size_t rows = bh * m_blocks * Tr::kBlockM;
+  Workspace w;
+  w.lse_off = 0;
+  w.dpsum_off = align256(w.lse_off + rows * sizeof(float));
+  w.dq_off = align256(w.dpsum_off + rows * sizeof(float));
+  w.sem_off = align256(w.dq_off + rows * Tr::kHeadDim * sizeof(float));
+  w.total = align256(w.sem_off + bh * m_blocks * sizeof(int));
+  return w;
+}
+
+template <class Tr>
+cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_t stream) {
+  using Element = typename Tr::Element;
+  const auto& s = p.shape;
+  auto gtensor = [&](const void* ptr, int seqlen, int heads) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_shape(seqlen, int(Tr::kHeadDim), heads, s.batch),
+                       make_stride(int64_t(heads) * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
+                                   int64_t(seqlen) * heads * Tr::kHeadDim));
+  };
+  SoftmaxScale sc = SoftmaxScale::make(p.opts.softmax_scale, p.opts.softcap);
+  MainParams<Tr> mp{
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.dout, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutK{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutV{}),
+      pp.lse_log2,
+      pp.dpsum,
+      pp.dq_accum,
+      pp.dq_sem,
+      static_cast<Element*>(p.dk),
+      static_cast<Element*>(p.dv),
+      s.batch,
+      s.seqlen_q,
+      s.seqlen_k,
+      s.heads_q,
+      s.heads_kv,
+      pp.m_blocks,
+      p.opts.window_left,
+      p.opts.window_right,
+      sc.scale_log2,
+      sc.pre_tanh,
+      p.opts.softmax_scale,
+      p.deterministic ? 1 : 0};
+  auto kernel = bwd_main_kernel<Tr>;
+  // Per call (cheap, no sync): the attribute is per device, and a static flag would be global state.
+  if (auto err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+      err != cudaSuccess)
+    return err;
+  dim3 grid((s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch);
+  kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
+  return cudaGetLastError();
+}
+
+}  // namespace bwd
+
+template <typename Element, int kHeadDim>
+size_t bwd_workspace_bytes_impl(const BwdParams& p) {
+  return bwd::workspace_layout<bwd::BwdTraits<Element, kHeadDim, false>>(p).total;
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
+  using Tr = bwd::BwdTraits<Element, kHeadDim, false>;
+  using TrCap = bwd::BwdTraits<Element, kHeadDim, true>;
+  const auto& s = p.shape;
+  if (s.head_dim != kHeadDim) return cudaErrorInvalidValue;
+  if (p.workspace == nullptr) return cudaErrorInvalidValue;
+  const bwd::Workspace w = bwd::workspace_layout<Tr>(p);
+  char* ws = static_cast<char*>(p.workspace);
+  bwd::PrePostParams pp;
+  pp.out = p.out;
+  pp.dout = p.dout;
+  pp.lse = p.lse;
+  pp.lse_log2 = reinterpret_cast<float*>(ws + w.lse_off);
+  pp.dpsum = reinterpret_cast<float*>(ws + w.dpsum_off);
+  pp.dq_accum = reinterpret_cast<float*>(ws + w.dq_off);
+  pp.dq_sem = reinterpret_cast<int*>(ws + w.sem_off);
+  pp.dq = p.dq;
+  pp.seqlen_q = s.seqlen_q;
+  pp.heads_q = s.heads_q;
+  pp.m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  pp.softmax_scale = p.opts.softmax_scale;
+
+  dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
+  bwd::bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
+  cudaError_t err = p.opts.softcap > 0.f ? bwd::launch_main<TrCap>(p, pp, stream)
+                                         : bwd::launch_main<Tr>(p, pp, stream);
+  if (err != cudaSuccess) return err;
+  bwd::bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  return cudaGetLastError();
+}
+
+}  // namespace fa3

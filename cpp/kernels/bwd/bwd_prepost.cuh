@@ -1,0 +1,110 @@
+// Backward preprocess and postprocess kernels.
+//   preprocess  (grid: query block, head, batch; 256 threads):
+//     D[row] = rowsum(dO o O) in fp32 (0 on padding rows),
+//     lse_log2[row] = lse * log2 e, or +inf where lse = -inf (fully masked rows) and on padding
+//       rows, so that P = exp2(S * scale_log2 - lse_log2) is exactly 0 there (never NaN),
+//     clears the block's fp32 dQ accumulator and its deterministic turn counter.
+//   postprocess (same grid): dQ = softmax_scale * accumulator, converted to the input dtype and
+//     written in (batch, seqlen_q, heads, head_dim) layout. The accumulator holds each dQ chunk
+//     in the register-fragment order of the main kernel's dQ WGMMA (so the main kernel's atomics
+//     are 16-byte, fully coalesced); the same tiled MMA's identity partition maps it back.
+#pragma once
+
+#include <cmath>
+
+#include "bwd/bwd_traits.cuh"
+
+namespace fa3 {
+namespace bwd {
+
+struct PrePostParams {
+  const void* out;
+  const void* dout;
+  const float* lse;  // (b, hq, sq)
+  float* lse_log2;   // (b, hq, m_blocks * kBlockM)
+  float* dpsum;      // (b, hq, m_blocks * kBlockM)
+  float* dq_accum;   // (b, hq, m_blocks, kBlockM * head_dim)
+  int* dq_sem;       // (b, hq, m_blocks)
+  void* dq;
+  int seqlen_q, heads_q, m_blocks;
+  float softmax_scale;
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams p) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kThreadsPerRow = 256 / kBlockM;
+  constexpr int kPerThread = kHeadDim / kThreadsPerRow;  // elements of one row per thread
+  static_assert(kPerThread % 8 == 0);
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int r = threadIdx.x / kThreadsPerRow, part = threadIdx.x % kThreadsPerRow;
+  const int row = m * kBlockM + r;
+  float acc = 0.f;
+  if (row < p.seqlen_q) {
+    const int64_t off = ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + part * kPerThread;
+    const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
+    const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
+    CUTLASS_PRAGMA_UNROLL
+    for (int v = 0; v < kPerThread / 8; ++v) {
+      uint4 ov = o[v], dv = d[v];
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = 1; s < kThreadsPerRow; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  const int64_t bh = int64_t(b) * p.heads_q + h;
+  if (part == 0) {
+    const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
+    float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
+    p.dpsum[idx] = acc;
+    p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  }
+  float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParams p) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
+  typename Tr::MmadQ mma_dq;
+  auto thr = mma_dq.get_thread_slice(ct);
+  Tensor cdQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{}));
+  static_assert(decltype(size(cdQ))::value == Tr::kDQFrag);
+  const int64_t bh = int64_t(b) * p.heads_q + h;
+  const float* acc_block = p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
+  Element* dq = static_cast<Element*>(p.dq);
+  CUTLASS_PRAGMA_UNROLL
+  for (int c = 0; c < Tr::kDQChunks; ++c) {
+    const float4* acc = reinterpret_cast<const float4*>(
+        acc_block + c * (kBlockM * Tr::kHdChunk) + wg * (kBlockM * Tr::kHdChunk / 2));
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+      float4 v = acc[j * 128 + t];
+      float vals[4] = {v.x, v.y, v.z, v.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 4; e += 2) {  // registers 2k, 2k+1 hold adjacent columns
+        const int row = m * kBlockM + get<0>(cdQ(4 * j + e));
+        const int col = c * Tr::kHdChunk + get<1>(cdQ(4 * j + e));
+        if (row < p.seqlen_q) {
+          cutlass::Array<Element, 2> out;
+          out[0] = Element(vals[e] * p.softmax_scale);
+          out[1] = Element(vals[e + 1] * p.softmax_scale);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(
+              dq + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + col) = out;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace fa3

@@ -1,0 +1,169 @@
+// Backward configuration per (element, head dim): tile table, shared-memory layouts, WGMMA
+// tilings and the TMA copy types. Kernels read everything from here.
+//
+// The CTA owns kBlockN = 128 keys of one (batch, kv head); two consumer warpgroups own 64 keys
+// each. Per query block (kBlockM rows) each consumer warpgroup computes, for its 64 keys:
+//   S^T  = K Q^T            (64 x kBlockM, SS-WGMMA)   -- transposed: keys are the M side
+//   dP^T = V dO^T           (64 x kBlockM, SS-WGMMA)
+//   P^T  = exp2(S^T * scale_log2 - lse_log2),  dS^T = P^T o (dP^T - D)   (registers)
+//   dV  += P^T dO           (RS-WGMMA: P^T straight from the accumulator registers)
+//   dK  += dS^T Q           (RS-WGMMA)
+// and dS^T goes to shared memory (queries contiguous) so both warpgroups can compute
+//   dQ   = dS K             (kBlockM x head_dim, SS-WGMMA; the warpgroups split head_dim)
+// which is added in fp32 to a global accumulator with vector atomics. Computing S transposed
+// makes both dK and dV register-sourced GEMMs (no P/dS round trip through shared memory for
+// them) and keeps dK/dV accumulation for the CTA's keys in registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+
+#include "common/utils.cuh"
+
+namespace fa3 {
+namespace bwd {
+
+using namespace cute;
+
+// Tile table. kPasses > 1 splits head_dim of the dK/dV accumulators into column passes over the
+// query blocks (S and dP are recomputed per pass): register pressure, not smem, limits d >= 192
+// (dK + dV for 64 keys x 256 columns would be 256 fp32 registers per thread). kDQChunks splits
+// the dQ GEMM into sequential column chunks for the same reason.
+//   kBlockM   query rows per step (the N side of S^T; 64 keeps S^T + dP^T at 64 registers)
+//   kStages   Q/dO/LSE/D shared-memory stages (TMA ring)
+//   kStagesdS dS buffers (2 lets the next step write dS while the other warpgroup still reads)
+template <int kHeadDim> struct BwdTile;
+// 64: tiny accumulators; 2 stages; smem 16+16 (K,V) + 32 (Q,dO x2) + 16 (dS x2) KB.
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
+// 96: dK+dV 96 regs; smem 24+24 + 48 + 16 KB.
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
+// 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32: fits 240; smem 32+32 + 64 + 32 = 160 KB.
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
+// 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer).
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; };
+// 256: two passes of 128; dQ in two chunks; smem 64+64 + 64 (one stage) + 16 = 208 KB.
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; };
+
+// K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
+template <typename T, int kK>
+CUTE_HOST_DEVICE constexpr auto kmajor_atom() {
+  if constexpr (kK % 64 == 0) return GMMA::Layout_K_SW128_Atom<T>{};
+  else if constexpr (kK % 32 == 0) return GMMA::Layout_K_SW64_Atom<T>{};
+  else if constexpr (kK % 16 == 0) return GMMA::Layout_K_SW32_Atom<T>{};
+  else return GMMA::Layout_K_INTER_Atom<T>{};
+}
+template <typename T, int kMN>
+CUTE_HOST_DEVICE constexpr auto mnmajor_atom() {
+  if constexpr (kMN % 64 == 0) return GMMA::Layout_MN_SW128_Atom<T>{};
+  else if constexpr (kMN % 32 == 0) return GMMA::Layout_MN_SW64_Atom<T>{};
+  else if constexpr (kMN % 16 == 0) return GMMA::Layout_MN_SW32_Atom<T>{};
+  else return GMMA::Layout_MN_INTER_Atom<T>{};
+}
+
+template <typename Element_, int kHeadDim_, bool kSoftcap_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  using Tile = BwdTile<kHeadDim>;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = 128;
+  static constexpr int kNumMmaWG = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWG * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;  // + producer warpgroup
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kStagesdS = Tile::kStagesdS;
+  static constexpr int kPasses = Tile::kPasses;
+  static constexpr int kDQChunks = Tile::kDQChunks;
+  static constexpr int kHdPass = kHeadDim / kPasses;     // dK/dV columns per pass
+  static constexpr int kHdChunk = kHeadDim / kDQChunks;  // dQ columns per chunk (both WGs)
+  static constexpr int kProducerRegs = 32;
+  static constexpr int kMmaRegs = 240;
+  static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
+
+  // ---- shared-memory layouts (physical: row-major tiles, head_dim contiguous)
+  // Q, dO: B operand of S^T/dP^T (K-major), and B of dK/dV through the transposed view
+  // (MN-major, sliced per pass): the atom must divide kHdPass.
+  using AtomQ = decltype(kmajor_atom<Element, kHdPass>());
+  using SmemLayoutQ1 = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  // K: A operand of S^T (K-major) and B of dQ through the transposed view, sliced per warpgroup
+  // and chunk: the atom must divide kHdChunk / 2.
+  using AtomK = decltype(kmajor_atom<Element, kHdChunk / kNumMmaWG>());
+  using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // V: A operand of dP^T only.
+  using AtomV = decltype(kmajor_atom<Element, kHeadDim>());
+  using SmemLayoutV = decltype(tile_to_shape(AtomV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  // dS: (queries, keys) with queries contiguous (MN-major A operand of dQ), written from the S^T
+  // accumulators through the transposed view with stmatrix.
+  using AtomdS = decltype(mnmajor_atom<Element, kBlockM>());
+  using SmemLayoutdS = decltype(tile_to_shape(AtomdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesdS>>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesdS>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+
+  // ---- WGMMA tilings (2 consumer warpgroups)
+  // S^T, dP^T: (keys 128, queries kBlockM, head_dim); warpgroups split the keys.
+  using MmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dV, dK: (keys 128, kHdPass, queries kBlockM), A = P^T / dS^T from registers.
+  using MmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHdPass>, Int<kBlockM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+  // dQ chunk: (queries kBlockM, kHdChunk, keys 128); warpgroups split the columns.
+  using MmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHdChunk / kNumMmaWG>, _128>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  // fp32 values per thread of one dQ chunk; the accumulator is stored in this fragment order.
+  static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
+  static_assert(kDQFrag % 4 == 0);
+
+  // ---- global tensors as TMA sees them: (seqlen, head_dim, heads, batch)
+  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutQ1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutK{}));
+  using TmaV = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutV{}));
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);  // LSE or D of one query block
+  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<float, kStages * kBlockM, 16> lse;    // log2-domain LSE per stage
+    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per stage
+    uint64_t kv_full;
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+  // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
+  static_assert(kSmemBytes <= 232448, "backward tile exceeds 227 KB of shared memory");
+};
+
+}  // namespace bwd
+}  // namespace fa3

@@ -1,0 +1,220 @@
+"""GPU tests of the Hopper backward kernel (cpp/kernels/bwd) against exact gradients.
+
+The kernel is reached through jax_fa3._ops.bwd (the FFI call, masks as normalised bands) with
+out/lse of the float64 oracle, so these tests check the backward alone. Every gradient uses the
+error-ratio rule of DESIGN.md (tests/helpers.py): max error against the exact gradient at most
+2x that of the same gradient computed plainly by XLA in the input dtype, plus one ulp of slack.
+Oracle: float64 numpy for small shapes; for long sequences (where numpy is too slow) float32
+on the GPU with Precision.HIGHEST, whose error is negligible next to bf16/fp16 rounding.
+
+XLA allocates the outputs; before each kernel call a NaN-filled buffer of the outputs' size is
+allocated and freed so that unwritten elements would likely surface as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import helpers  # noqa: E402
+from jax_fa3 import _ffi, _masks, _ops  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+UNB = _masks.UNBOUNDED
+HEAD_DIMS = (64, 96, 128, 192, 256)
+DTYPES = (jnp.bfloat16, jnp.float16)
+
+_key = [jax.random.PRNGKey(4_2026_1130)]
+
+
+def _next_key():
+    _key[0], k = jax.random.split(_key[0])
+    return k
+
+
+def _need(dtype, head_dim):
+    reason = _ffi.unavailable_reason("bwd", dtype, head_dim)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _first_compiled(dtype=jnp.bfloat16):
+    for d in (128, 64, 96, 192, 256):
+        if _ffi.unavailable_reason("bwd", dtype, d) is None:
+            return d
+    pytest.skip(f"no backward kernel compiled for {jnp.dtype(dtype).name}")
+
+
+def _poison(*arrays):
+    junk = [jnp.full(a.shape, jnp.nan, a.dtype) for a in arrays]
+    jax.block_until_ready(junk)
+    del junk
+
+
+def _kernel_bwd(q, k, v, out, lse, dout, left, right, softcap, scale, deterministic=False):
+    _poison(q, k, v)
+    grads = _ops.bwd(q, k, v, out, lse, dout, softmax_scale=scale, softcap=softcap,
+                     window_left=left, window_right=right, deterministic=deterministic)
+    return jax.device_get(grads)
+
+
+def _ref_f32(q, k, v, dout, left, right, softcap, scale):
+    """Exact-enough (out, lse, dq, dk, dv) in float32 on the device (long sequences)."""
+    hi = jax.lax.Precision.HIGHEST
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    allowed = jnp.asarray(helpers.band_mask(sq, sk, left, right))
+
+    def attn(q, k, v):
+        kk = jnp.repeat(k, hq // hkv, axis=2)
+        vv = jnp.repeat(v, hq // hkv, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, precision=hi) * scale
+        if softcap:
+            s = softcap * jnp.tanh(s / softcap)
+        s = jnp.where(allowed, s, -jnp.inf)
+        m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.where(allowed, jnp.exp(s - m), 0.0)
+        l = p.sum(-1, keepdims=True)
+        lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)[..., 0]), -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vv, precision=hi)
+        return o, lse
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    (o, lse), vjp = jax.vjp(attn, f32(q), f32(k), f32(v))
+    dq, dk, dv = vjp((f32(dout), jnp.zeros_like(lse)))
+    return jax.device_get((o, lse, dq, dk, dv))
+
+
+def _check(b, sq, sk, hq, hkv, d, dtype, left=UNB, right=UNB, softcap=0.0, scale=None,
+           logit_scale=1.0, oracle="f64"):
+    _need(dtype, d)
+    scale = 1.0 / np.sqrt(d) if scale is None else float(scale)
+    q, k, v = helpers.random_qkv(_next_key(), b, sq, sk, hq, hkv, d, dtype, scale=logit_scale)
+    dout = helpers.random_like(_next_key(), q)
+    opts = dict(left=left, right=right, softcap=softcap, softmax_scale=scale)
+    if oracle == "f64":
+        out64, lse64 = helpers.reference_f64(q, k, v, **opts)
+        ref = helpers.reference_grads_f64(q, k, v, dout, **opts)
+    else:
+        out64, lse64, *ref = _ref_f32(q, k, v, dout, left, right, softcap, scale)
+    out = jnp.asarray(np.asarray(out64, np.float32)).astype(dtype)
+    lse = jnp.asarray(np.asarray(lse64, np.float32))
+    dq, dk, dv = _kernel_bwd(q, k, v, out, lse, dout, left, right, softcap, scale)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
+    base = jax.device_get(helpers.plain_grads_in_dtype(q, k, v, dout, **opts))
+    for name, got, r, bl in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, base):
+        helpers.assert_finite(name, got)
+        helpers.assert_error_ratio(name, got, r, bl)
+    return (q, k, v, out, lse, dout), (dq, dk, dv)
+
+
+# --------------------------------------------------------------------------- head dim x dtype
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims(d, dtype, causal):
+    _check(2, 129, 129, 2, 2, d, dtype, right=0 if causal else UNB)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (127, 127), (128, 128), (1000, 1000),
+                                   (17, 1000), (1000, 17), (129, 64), (1, 300)])
+def test_seqlens(sq, sk, causal):
+    d = _first_compiled()
+    _check(1, sq, sk, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 4), (8, 1)], ids=["mha", "gqa2", "mqa8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa(hq, hkv, causal):
+    d = _first_compiled()
+    _check(2, 257, 257, hq, hkv, d, jnp.bfloat16, right=0 if causal else UNB)
+
+
+@pytest.mark.parametrize("left,right", [(32, 16), (64, 0), (0, 0), (200, -50), (-40, 100),
+                                        (5, UNB), (UNB, -300)])
+def test_windows(left, right):
+    d = _first_compiled()
+    _check(1, 600, 700, 2, 2, d, jnp.bfloat16, left=left, right=right)
+
+
+def test_fully_masked_rows_are_zero():
+    """sq > sk causal: the first sq - sk query rows see no key (lse = -inf): zero dq, no NaN."""
+    d = _first_compiled()
+    (q, *_), (dq, dk, dv) = _check(1, 300, 100, 2, 2, d, jnp.bfloat16, right=0)
+    assert (np.asarray(dq, np.float32)[:, :200] == 0).all()
+
+
+def test_empty_band_all_zero():
+    d = _first_compiled()
+    (q, *_), (dq, dk, dv) = _check(1, 200, 200, 2, 1, d, jnp.bfloat16, left=3, right=-5)
+    for g in (dq, dk, dv):
+        assert (np.asarray(g, np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_softcap(dtype):
+    d = _first_compiled(dtype)
+    _check(2, 300, 300, 4, 2, d, dtype, softcap=20.0, logit_scale=4.0)
+    _check(1, 257, 200, 2, 2, d, dtype, softcap=5.0, logit_scale=8.0, right=0)
+
+
+def test_softmax_scale_and_large_logits():
+    d = _first_compiled()
+    _check(2, 200, 333, 2, 2, d, jnp.bfloat16, scale=0.3, logit_scale=3.0)
+    _check(1, 200, 200, 2, 2, d, jnp.float16, logit_scale=6.0, right=0)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_long_sequence(causal):
+    d = _first_compiled()
+    _check(1, 4097, 4097, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB, oracle="f32")
+
+
+@pytest.mark.parametrize("left,right,hkv", [(UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4)])
+def test_deterministic_bitwise(left, right, hkv):
+    d = _first_compiled()
+    q, k, v = helpers.random_qkv(_next_key(), 2, 1000, 1100, 4, hkv, d, jnp.bfloat16)
+    dout = helpers.random_like(_next_key(), q)
+    scale = 1.0 / np.sqrt(d)
+    out64, lse64 = helpers.reference_f64(q, k, v, left=left, right=right)
+    out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
+    lse = jnp.asarray(np.asarray(lse64, np.float32))
+    runs = [_kernel_bwd(q, k, v, out, lse, dout, left, right, 0.0, scale, deterministic=True)
+            for _ in range(3)]
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[1]):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[2]):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+    ref = helpers.reference_grads_f64(q, k, v, dout, left=left, right=right)
+    base = jax.device_get(helpers.plain_grads_in_dtype(q, k, v, dout, left=left, right=right))
+    for name, got, r, bl in zip(("dq", "dk", "dv"), runs[0], ref, base):
+        helpers.assert_error_ratio(name, got, r, bl)
+
+
+def test_jit_and_vmap():
+    """The op under jit and vmap (the batching rule folds the mapped axis into batch)."""
+    d = _first_compiled()
+    q, k, v = helpers.random_qkv(_next_key(), 3, 130, 130, 2, 2, d, jnp.bfloat16)
+    dout = helpers.random_like(_next_key(), q)
+    scale = 1.0 / np.sqrt(d)
+    out64, lse64 = helpers.reference_f64(q, k, v, right=0)
+    out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
+    lse = jnp.asarray(np.asarray(lse64, np.float32))
+    f = jax.jit(lambda *a: _ops.bwd(*a, softmax_scale=scale, softcap=0.0, window_left=UNB,
+                                    window_right=0, deterministic=True))
+    full = jax.device_get(f(q, k, v, out, lse, dout))
+    split = [x[:, None] for x in (q, k, v, out, lse, dout)]
+    mapped = jax.device_get(jax.vmap(f)(*split))
+    for a, b in zip(full, mapped):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)[:, 0])
