@@ -220,6 +220,25 @@ def _local_ops():
     return attention.attention_fwd, attention.attention_bwd
 
 
+def _vma(x) -> frozenset:
+    """Manual mesh axes over which x varies (empty outside shard_map or with check_vma off).
+    JAX 0.10 calls it manual_axis_type.varying, JAX 0.7-0.9 `vma`."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _varying_like(x, *refs):
+    """x marked as varying over the manual mesh axes the refs vary over (inside a shard_map
+    with check_vma, zeros-initialised carries must match the type of what updates them)."""
+    axes = tuple(sorted(frozenset().union(*map(_vma, refs)) - _vma(x), key=str))
+    if not axes:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)  # JAX < 0.8
+
+
 def _lse_weights(lse):
     """(b, h, s) -> (b, s, h, 1), to scale an (b, s, h, d) output."""
     return jnp.swapaxes(lse, 1, 2)[..., None]
@@ -274,15 +293,17 @@ def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, dlse, acc):
     return dq, dk, dv
 
 
-def _switch(axis_name, plans, run, *operands):
-    """Run each device's own plan: `run(calls, *operands)`; plans shared by several devices
-    are traced once, and a device whose plan is empty runs nothing."""
-    distinct = list(dict.fromkeys(plans))
+def _switch(axis_name, plans, run, operands, step=0):
+    """Run this device's plan: `run(calls, *operands)` with calls = plans[step][rank].
+
+    `step` may be traced (inside a scan over ring steps). Plans shared by several devices or
+    steps are traced once, and a device whose plan is empty runs nothing."""
+    distinct = list(dict.fromkeys(p for row in plans for p in row))
     if len(distinct) == 1:
         return run(distinct[0], *operands)
-    table = jnp.asarray([distinct.index(p) for p in plans], jnp.int32)
+    table = jnp.asarray([[distinct.index(p) for p in row] for row in plans], jnp.int32)
     branches = [lambda ops, p=p: run(p, *ops) for p in distinct]
-    return lax.switch(table[lax.axis_index(axis_name)], branches, operands)
+    return lax.switch(table[step, lax.axis_index(axis_name)], branches, operands)
 
 
 def _ring_perm(n: int):
@@ -301,6 +322,7 @@ def ring_attention_fwd(q, k, v, cfg: RingConfig):
     sq, sk = q.shape[1], k.shape[1]
     b, _, hq, d = q.shape
     acc = (jnp.zeros((b, sq, hq, d), jnp.float32), jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
+    acc = tuple(_varying_like(a, q, k, v) for a in acc)
 
     def run(calls, acc, q, k, v):
         return _fwd_calls(calls, cfg, q, k, v, acc)
@@ -308,17 +330,23 @@ def ring_attention_fwd(q, k, v, cfg: RingConfig):
     if cfg.strategy == "allgather":
         kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
         vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
-        plans = allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)
-        acc = _switch(cfg.axis_name, plans, run, acc, q, kf, vf)
+        plans = [allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)]
+        acc = _switch(cfg.axis_name, plans, run, (acc, q, kf, vf))
     else:
-        for step in range(n):
-            if step < n - 1:  # issue the next block's transfer before this block's compute
-                k_next = lax.ppermute(k, cfg.axis_name, _ring_perm(n))
-                v_next = lax.ppermute(v, cfg.axis_name, _ring_perm(n))
-            plans = ring_step_plans(cfg.layout, n, step, sq, sk, cfg.left, cfg.right)
-            acc = _switch(cfg.axis_name, plans, run, acc, q, k, v)
-            if step < n - 1:
-                k, v = k_next, v_next
+        plans = [ring_step_plans(cfg.layout, n, t, sq, sk, cfg.left, cfg.right) for t in range(n)]
+        perm = _ring_perm(n)
+
+        def step(carry, t):
+            k, v, acc = carry
+            # Issue the next block's transfer before this block's compute: they overlap.
+            k_next, v_next = lax.ppermute(k, cfg.axis_name, perm), lax.ppermute(v, cfg.axis_name, perm)
+            acc = _switch(cfg.axis_name, plans[:-1], run, (acc, q, k, v), t)
+            return (k_next, v_next, acc), None
+
+        # A scan, not an unrolled loop: the plans repeat across steps, so each is compiled once.
+        if n > 1:
+            (k, v, acc), _ = lax.scan(step, (k, v, acc), jnp.arange(n - 1))
+        acc = _switch(cfg.axis_name, plans[-1:], run, (acc, q, k, v))  # last block: no send
     o, lse = acc
     return o.astype(q.dtype), lse
 
@@ -337,29 +365,38 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
         kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
         vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
         acc = (jnp.zeros(q.shape, f32), jnp.zeros(kf.shape, f32), jnp.zeros(vf.shape, f32))
-        plans = allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)
-        dq, dk, dv = _switch(cfg.axis_name, plans, run, acc, q, kf, vf, out, lse, dout)
+        acc = tuple(_varying_like(a, q, k, v, out, lse, dout) for a in acc)
+        plans = [allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)]
+        dq, dk, dv = _switch(cfg.axis_name, plans, run, (acc, q, kf, vf, out, lse, dout))
         # Every device holds partial dK/dV for the whole sequence: sum them onto the owners.
         dk = lax.psum_scatter(gathered_order(dk, n, cfg.layout), cfg.axis_name,
                               scatter_dimension=1, tiled=True)
         dv = lax.psum_scatter(gathered_order(dv, n, cfg.layout), cfg.axis_name,
                               scatter_dimension=1, tiled=True)
     else:
-        dq = jnp.zeros(q.shape, f32)
-        dk, dv = jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)
+        plans = [ring_step_plans(cfg.layout, n, t, sq, sk, cfg.left, cfg.right) for t in range(n)]
         perm = _ring_perm(n)
-        for step in range(n):
-            if step < n - 1:
-                k_next = lax.ppermute(k, cfg.axis_name, perm)
-                v_next = lax.ppermute(v, cfg.axis_name, perm)
-            plans = ring_step_plans(cfg.layout, n, step, sq, sk, cfg.left, cfg.right)
-            dq, dk, dv = _switch(cfg.axis_name, plans, run, (dq, dk, dv), q, k, v, out, lse, dout)
-            # The accumulators follow their block; after the last step one more hop takes
-            # them home (block of device r is at r - 1 after n - 1 hops).
-            dk = lax.ppermute(dk, cfg.axis_name, perm)
-            dv = lax.ppermute(dv, cfg.axis_name, perm)
-            if step < n - 1:
-                k, v = k_next, v_next
+
+        def compute(k, v, grads, step_plans, t=0):
+            return _switch(cfg.axis_name, step_plans, run, (grads, q, k, v, out, lse, dout), t)
+
+        def step(carry, t):
+            k, v, dq, dk, dv = carry
+            k_next, v_next = lax.ppermute(k, cfg.axis_name, perm), lax.ppermute(v, cfg.axis_name, perm)
+            dq, dk, dv = compute(k, v, (dq, dk, dv), plans[:-1], t)
+            # The float32 dK/dV accumulators follow their block around the ring.
+            dk, dv = lax.ppermute(dk, cfg.axis_name, perm), lax.ppermute(dv, cfg.axis_name, perm)
+            return (k_next, v_next, dq, dk, dv), None
+
+        dq, dk, dv = (_varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
+                      for x in (q, k, v))
+        k_own, v_own = k, v
+        if n > 1:
+            (k, v, dq, dk, dv), _ = lax.scan(step, (k, v, dq, dk, dv), jnp.arange(n - 1))
+        dq, dk, dv = compute(k, v, (dq, dk, dv), plans[-1:])
+        # Device r now holds the accumulators of block r + 1: one more hop takes them home.
+        dk, dv = lax.ppermute(dk, cfg.axis_name, perm), lax.ppermute(dv, cfg.axis_name, perm)
+        k, v = k_own, v_own
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

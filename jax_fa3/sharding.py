@@ -366,6 +366,8 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
                                    return_lse=return_lse, deterministic=deterministic,
                                    implementation=implementation)
 
+    if mesh.explicit_axes:  # shard_map wants inputs typed with exactly these shardings
+        q, k, v = (jax.sharding.reshard(x, NamedSharding(mesh, qs)) for x in (q, k, v))
     out_specs = (qs, lse_spec) if return_lse else qs
     return jax.shard_map(body, mesh=mesh, in_specs=(qs, qs, qs), out_specs=out_specs,
                          check_vma=False)(q, k, v)

@@ -1,0 +1,290 @@
+"""Context-parallel (ring / all-gather) attention on 8 simulated CPU devices.
+
+The block-pair planner is checked exhaustively against the global mask in numpy; the ring
+itself against the float64 oracle (tests/helpers.py) and against unsharded attention.
+
+JAX needs the 8 CPU devices before it initialises. When another test module initialised it
+first (same pytest process), every test here skips and `test_module_in_subprocess` runs this
+file in a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+
+try:
+    jax.config.update("jax_num_cpu_devices", 8)
+except RuntimeError:  # JAX already initialised by an earlier test module
+    pass
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import helpers
+from jax_fa3 import ring
+from jax_fa3._masks import UNBOUNDED, band
+from jax_fa3.attention import flash_attention
+from jax_fa3.sharding import context_parallel_attention
+
+NDEV = 8
+ENOUGH = jax.device_count() >= NDEV
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices(request):
+    if not ENOUGH and request.node.originalname != "test_module_in_subprocess":
+        pytest.skip(f"JAX was initialised with {jax.device_count()} device(s) before this module; "
+                    "test_module_in_subprocess runs it with 8")
+
+
+@pytest.mark.skipif(ENOUGH, reason="8 devices available: the tests ran in this process")
+def test_module_in_subprocess():
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(NDEV),
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                         f"--xla_force_host_platform_device_count={NDEV}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- planner (numpy)
+
+def _positions(layout, n, rank, length):
+    """Global position of each local index under `layout`."""
+    pos = np.empty(length, np.int64)
+    for seg in ring.layout_segments(layout, n, rank, length):
+        pos[seg.local:seg.local + seg.length] = np.arange(seg.glob, seg.glob + seg.length)
+    return pos
+
+
+def _coverage(calls, sq, sk):
+    """How many calls cover each (local query, local key) cell, with their local bands."""
+    cover = np.zeros((sq, sk), np.int64)
+    for c in calls:
+        cover[c.q0:c.q1, c.k0:c.k1] += helpers.band_mask(c.q1 - c.q0, c.k1 - c.k0, c.left,
+                                                         c.right)
+    return cover
+
+
+def _global_visible(qpos, kpos, seq_q, seq_k, left, right):
+    rel = kpos[None, :] - qpos[:, None] - (seq_k - seq_q)
+    return (rel >= -left) & (rel <= right)
+
+
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+@pytest.mark.parametrize("causal,window,sq,sk", [
+    (True, (-1, -1), 8, 8), (False, (-1, -1), 8, 8), (True, (5, -1), 8, 8),
+    (False, (3, 9), 8, 8), (True, (-1, -1), 4, 8), (True, (-1, -1), 8, 4), (False, (0, 0), 6, 6)])
+def test_planner_covers_exactly_the_mask(layout, causal, window, sq, sk):
+    """Every visible (query, key) pair of every block is computed exactly once, nothing else;
+    fully masked blocks produce no call."""
+    n = 4
+    left, right = band(causal, window)
+    seq_q, seq_k = n * sq, n * sk
+    for r in range(n):
+        qpos = _positions(layout, n, r, sq)
+        for step in range(n):
+            src = (r - step) % n
+            calls = ring.ring_step_plans(layout, n, step, sq, sk, left, right)[r]
+            want = _global_visible(qpos, _positions(layout, n, src, sk), seq_q, seq_k, left, right)
+            np.testing.assert_array_equal(_coverage(calls, sq, sk), want.astype(np.int64))
+            assert all(_coverage([c], sq, sk).any() for c in calls), "a call with no work"
+        calls = ring.allgather_plans(layout, n, sq, sk, left, right)[r]
+        want = _global_visible(qpos, np.arange(seq_k), seq_q, seq_k, left, right)
+        np.testing.assert_array_equal(_coverage(calls, sq, seq_k), want.astype(np.int64))
+
+
+def test_zigzag_balances_causal_work():
+    """Causal zig-zag: after the diagonal step, each device does the same work per step in ONE
+    unmasked call; the contiguous layout leaves device 0 idle after step 0."""
+    n, s = 8, 16
+    left, right = band(True, (-1, -1))
+    for step in range(1, n):
+        plans = ring.ring_step_plans("zigzag", n, step, s, s, left, right)
+        for calls in plans:
+            assert len(calls) == 1 and calls[0].full
+            assert (calls[0].q1 - calls[0].q0) * (calls[0].k1 - calls[0].k0) == s * s // 2
+        contiguous = ring.ring_step_plans("contiguous", n, step, s, s, left, right)
+        assert contiguous[0] == () and len(contiguous[n - 1]) == 1
+
+
+def test_zigzag_helpers_round_trip():
+    n, s = 4, 24
+    x = jnp.arange(2 * s * 3).reshape(2, s, 3)
+    y = ring.zigzag_permute(x, n)
+    np.testing.assert_array_equal(ring.zigzag_unpermute(y, n), x)
+    pos = np.asarray(ring.zigzag_positions(s, n))
+    np.testing.assert_array_equal(np.asarray(y[0, :, 0]) // 3, pos)
+    c = s // (2 * n)
+    for r in range(n):  # device r holds chunks r and 2n-1-r
+        local = pos[r * 2 * c:(r + 1) * 2 * c]
+        np.testing.assert_array_equal(local, np.r_[r * c:(r + 1) * c,
+                                                   (2 * n - 1 - r) * c:(2 * n - r) * c])
+    lse = jnp.arange(2 * 3 * s, dtype=jnp.float32).reshape(2, 3, s)
+    np.testing.assert_array_equal(ring.zigzag_unpermute(ring.zigzag_permute(lse, n, 2), n, 2), lse)
+    with pytest.raises(ValueError, match="divisible"):
+        ring.zigzag_permute(jnp.zeros((1, 10, 1)), n)
+
+
+# ----------------------------------------------------------------------------- ring on devices
+
+def _mesh(shape, names, types=AxisType.Auto):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, axis_types=(types,) * len(names),
+                         devices=jax.devices()[:n])
+
+
+def _run_cp(q, k, v, dout, dlse, *, mesh, seq_axis, layout, **kw):
+    """context_parallel_attention on natural-order global arrays: (out, lse, dq, dk, dv) in
+    natural order. Zig-zag inputs are permuted in and the results permuted back."""
+    n = mesh.shape[seq_axis]
+    zz = layout == "zigzag"
+    perm = (lambda x, a=1: ring.zigzag_permute(x, n, a)) if zz else (lambda x, a=1: x)
+    unperm = (lambda x, a=1: ring.zigzag_unpermute(x, n, a)) if zz else (lambda x, a=1: x)
+
+    @jax.jit
+    def run(q, k, v, dout, dlse):
+        f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=mesh, seq_axis=seq_axis,
+                                                       layout=layout, return_lse=True, **kw)
+        (out, lse), vjp = jax.vjp(f, perm(q), perm(k), perm(v))
+        grads = vjp((perm(dout), perm(dlse, 2)))
+        return (unperm(out), unperm(lse, 2)) + tuple(unperm(g) for g in grads)
+
+    return run(q, k, v, dout, dlse)
+
+
+CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, options)
+    "zigzag-causal-gqa-8dev": (8, "zigzag", "ring", 4, 4, 4, 2, dict(causal=True)),
+    "contiguous-noncausal-mqa-8dev": (8, "contiguous", "ring", 4, 4, 4, 1, dict()),
+    "zigzag-window-softcap": (4, "zigzag", "ring", 4, 4, 4, 2,
+                              dict(causal=True, window_size=(5, -1), softcap=3.0)),
+    "contiguous-window-both": (4, "contiguous", "ring", 4, 4, 2, 2, dict(window_size=(6, 3))),
+    "zigzag-causal-sq<sk": (4, "zigzag", "ring", 2, 4, 2, 1, dict(causal=True)),
+    "allgather-zigzag-window": (4, "zigzag", "allgather", 4, 4, 4, 2,
+                                dict(causal=True, window_size=(9, -1))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_matches_oracle(name):
+    """Ring (and all-gather) attention on a (seq) mesh vs the float64 oracle: out, lse, dq,
+    dk, dv by the error-ratio rule of DESIGN.md, with bf16 inputs and large logits."""
+    n, layout, strategy, sq, sk, hq, hkv, opts = CASES[name]
+    b, d = 2, 16
+    mesh = _mesh((n,), ("sp",))
+    key = jax.random.key(sum(map(ord, name)))
+    q, k, v = helpers.random_qkv(key, b, n * sq, n * sk, hq, hkv, d, jnp.bfloat16, scale=2.0)
+    dout = helpers.random_like(jax.random.fold_in(key, 1), q)
+    dlse = jnp.zeros((b, hq, n * sq), jnp.float32)
+    out, lse, *grads = _run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout=layout,
+                               strategy=strategy, **opts)
+    helpers.check_against_oracle(name, q, k, v, out=out, lse=lse, grads=grads, dout=dout, **opts)
+
+
+def test_allgather_equals_ring_and_unsharded():
+    """float32 with an LSE cotangent: ring, all-gather and unsharded flash_attention agree to
+    float32 rounding (the LSE cotangent path included)."""
+    b, s, hq, hkv, d = 2, 4 * 8, 4, 2, 16
+    opts = dict(causal=True, window_size=(11, -1), softcap=4.0)
+    q, k, v = helpers.random_qkv(jax.random.key(7), b, s, s, hq, hkv, d, jnp.float32)
+    dout = helpers.random_like(jax.random.key(8), q)
+    dlse = jax.random.normal(jax.random.key(9), (b, hq, s), jnp.float32)
+    mesh = _mesh((4,), ("sp",))
+    results = [_run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout="zigzag",
+                       strategy=strategy, **opts) for strategy in ("ring", "allgather")]
+    (out, lse), vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v, return_lse=True, **opts),
+                              q, k, v)
+    unsharded = (out, lse) + vjp((dout, dlse))
+    for got in results:
+        for name, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, unsharded):
+            np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5, err_msg=name)
+
+
+def test_batch_and_seq_mesh_with_heads():
+    """Mesh (batch=2, seq=2, heads=2): ring over 'seq' while batch and heads stay local;
+    output shardings follow the inputs."""
+    mesh = _mesh((2, 2, 2), ("data", "seq", "heads"))
+    b, s, hq, hkv, d = 2, 16, 4, 2, 16
+    opts = dict(causal=True)
+    q, k, v = helpers.random_qkv(jax.random.key(3), b, s, s, hq, hkv, d, jnp.float32)
+    dout = helpers.random_like(jax.random.key(4), q)
+    spec = P("data", "seq", "heads", None)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+    kw = dict(mesh=mesh, seq_axis="seq", batch_axis="data", head_axis="heads", layout="zigzag",
+              **opts)
+    f = jax.jit(lambda q, k, v: context_parallel_attention(q, k, v, return_lse=True, **kw))
+    perm = lambda x, a=1: ring.zigzag_permute(x, 2, a)
+    (out, lse), vjp = jax.vjp(f, *(put(perm(x)) for x in (q, k, v)))
+    assert out.sharding.spec == spec
+    assert lse.sharding.spec == P("data", "heads", "seq")
+    dq, dk, dv = vjp((put(perm(dout)), jnp.zeros_like(lse)))
+    assert dk.sharding.spec == spec
+    unperm = lambda x, a=1: ring.zigzag_unpermute(x, 2, a)
+    ref_out, ref_lse = helpers.reference_f64(q, k, v, **opts)
+    ref_grads = helpers.reference_grads_f64(q, k, v, dout, **opts)
+    np.testing.assert_allclose(unperm(out), ref_out, atol=2e-5)
+    np.testing.assert_allclose(unperm(lse, 2), ref_lse, atol=2e-5)
+    for g, r in zip((dq, dk, dv), ref_grads):
+        np.testing.assert_allclose(unperm(g), r, atol=5e-5)
+
+
+def test_fully_masked_rows_and_explicit_mesh():
+    """seq_q > seq_k with a causal mask: the first queries see no key at all (out 0, lse
+    -inf, zero and finite gradients). Uses an Explicit-axes mesh and ring_attention directly
+    inside a user shard_map."""
+    mesh = _mesh((4,), ("sp",), AxisType.Explicit)
+    b, sq, sk, h, d = 1, 32, 8, 2, 8
+    q, k, v = helpers.random_qkv(jax.random.key(5), b, sq, sk, h, h, d, jnp.float32)
+
+    def local(q, k, v):
+        return ring.ring_attention(q, k, v, axis_name="sp", causal=True, return_lse=True)
+
+    spec = P(None, "sp")
+    # check_vma=False: the portable path's lax.scan carries are not yet marked varying (see
+    # test_user_shard_map_with_check_vma); ring.py itself is vma-clean.
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec),
+                      out_specs=(spec, P(None, None, "sp")), check_vma=False)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    out, lse = jax.jit(f)(q, k, v)
+    assert lse.sharding.spec == P(None, None, "sp")
+    grads = jax.jit(jax.grad(lambda q, k, v: f(q, k, v)[0].sum(), argnums=(0, 1, 2)))(q, k, v)
+    ref_out, ref_lse = helpers.reference_f64(q, k, v, causal=True)
+    assert np.isneginf(ref_lse).sum() == b * h * (sq - sk)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    assert not np.asarray(out)[:, :sq - sk].any()
+    ref_grads = helpers.reference_grads_f64(q, k, v, jnp.ones_like(q), causal=True)
+    for g, r in zip(grads, ref_grads):
+        helpers.assert_finite("grad", g)
+        np.testing.assert_allclose(g, r, atol=2e-5)
+
+
+def test_ring_hlo_permutes_one_dtype_and_never_gathers():
+    """The ring sends each K/V block with its own collective-permute in its own dtype (bf16)
+    and the dK/dV accumulators in float32 (JAX >= 0.7.1 rejects mixed-dtype permutes); it
+    never all-gathers, while the all-gather strategy does. (The lowered module is checked:
+    XLA:CPU itself later upcasts bf16 collectives.)"""
+    mesh = _mesh((4,), ("sp",))
+    q, k, v = helpers.random_qkv(jax.random.key(9), 1, 16, 16, 2, 2, 8, jnp.bfloat16)
+
+    def grad_fn(strategy):
+        f = lambda q, k, v: context_parallel_attention(
+            q, k, v, mesh=mesh, seq_axis="sp", causal=True, layout="zigzag", strategy=strategy)
+        return jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+
+    ring_fn = grad_fn("ring")
+    lowered = ring_fn.lower(q, k, v).as_text()
+    permutes = re.findall(r"collective_permute.*: \((.*?)\) ->", lowered)
+    assert sorted(set(permutes)) == ["tensor<1x4x2x8xbf16>", "tensor<1x4x2x8xf32>"], permutes
+    assert "all-gather" not in ring_fn.lower(q, k, v).compile().as_text()
+    assert "all-gather" in grad_fn("allgather").lower(q, k, v).compile().as_text()
