@@ -12,6 +12,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = ("bfloat16", "float16")
@@ -117,8 +118,9 @@ def check_window(window_size) -> tuple[int, int]:
 
 
 def check_bool(name: str, x) -> bool:
-    if not isinstance(x, (bool, int)) or isinstance(x, jax.Array):
-        raise TypeError(f"{name} must be a Python bool, got {type(x).__name__}")
+    """A static bool (Python or numpy); traced values and other types are a TypeError."""
+    if not isinstance(x, (bool, int, np.bool_)):
+        raise TypeError(f"{name} must be a Python bool, got {type(x).__name__} {x!r}")
     return bool(x)
 
 

@@ -1,0 +1,56 @@
+"""The compiled extension: what build_info() and registrations() report. Skips (with the
+import error) where the package was installed without CUDA; the availability logic itself is
+checked everywhere."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_fa3 import _ffi
+
+built = pytest.mark.skipif(not _ffi.is_built(),
+                           reason=f"CUDA extension not built: {_ffi._IMPORT_ERROR}")
+
+
+def test_unbuilt_package_says_why():
+    if _ffi.is_built():
+        pytest.skip("the extension is built here")
+    assert _ffi.build_info() is None
+    for direction in ("fwd", "bwd"):
+        reason = _ffi.unavailable_reason(direction, jnp.bfloat16, 128)
+        assert reason is not None and "not built" in reason
+
+
+@built
+def test_build_info_lists_sane_instantiations():
+    info = _ffi.build_info()
+    assert info["arch"] == "sm_90a"
+    assert info["fwd"], "no forward kernel compiled"
+    for direction in ("fwd", "bwd"):
+        entries = info[direction]
+        assert len(set(entries)) == len(entries), f"duplicate {direction} entries: {entries}"
+        for dtype, head_dim in entries:
+            assert dtype in ("bfloat16", "float16")
+            assert head_dim in (64, 96, 128, 192, 256)
+    for key in ("cuda_version", "cutlass_version"):
+        assert str(info[key]).strip(), f"{key} is empty"
+
+
+@built
+def test_registrations_hold_capsules():
+    regs = _ffi._fa3_cuda.registrations()
+    assert set(regs) >= {_ffi.FWD_TARGET, _ffi.BWD_TARGET} == {"jax_fa3_fwd", "jax_fa3_bwd"}
+    for name, capsule in regs.items():
+        assert type(capsule).__name__ == "PyCapsule", f"{name}: {type(capsule)}"
+
+
+@built
+def test_unavailable_reason_names_missing_instantiations():
+    info = _ffi.build_info()
+    compiled = set(info["fwd"])
+    for dtype in ("bfloat16", "float16"):
+        for head_dim in (64, 96, 128, 192, 256):
+            reason = _ffi.unavailable_reason("fwd", jnp.dtype(dtype), head_dim)
+            if (dtype, head_dim) not in compiled:
+                assert reason is not None and "no fwd kernel compiled" in reason

@@ -1,0 +1,118 @@
+"""Bad input: a ValueError/TypeError at trace time naming the argument, what it got and what
+was expected. Checked under jax.eval_shape, so nothing is compiled or run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_fa3 import dot_product_attention, flash_attention
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def sds(shape, dtype=BF16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+Q = sds((2, 16, 8, 64))
+KV = sds((2, 32, 2, 64))
+
+
+def trace(fn, q=Q, k=KV, v=KV, **kw):
+    """Trace only: errors must come from the Python-level checks."""
+    return jax.eval_shape(lambda q, k, v: fn(q, k, v, **kw), q, k, v)
+
+
+# (what, q, k, v, options, exception, fragments the message must contain)
+FLASH_CASES = [
+    ("q rank 3", sds((16, 8, 64)), KV, KV, {}, ValueError, ["q", "rank 4", "(16, 8, 64)"]),
+    ("k rank 5", Q, sds((2, 32, 2, 64, 1)), KV, {}, ValueError, ["k", "rank 4", "(2, 32, 2, 64, 1)"]),
+    ("dtype mismatch", Q, sds((2, 32, 2, 64), F32), KV, {}, TypeError, ["k", "float32", "bfloat16"]),
+    ("integer inputs", sds((2, 16, 8, 64), jnp.int32), sds((2, 32, 2, 64), jnp.int32),
+     sds((2, 32, 2, 64), jnp.int32), {}, TypeError, ["q", "floating", "int32"]),
+    ("head_dim mismatch", Q, sds((2, 32, 2, 32)), sds((2, 32, 2, 32)), {}, ValueError,
+     ["head_dim", "(2, 16, 8, 64)", "(2, 32, 2, 32)"]),
+    ("heads not divisible", sds((2, 16, 6, 64)), sds((2, 32, 4, 64)), sds((2, 32, 4, 64)), {},
+     ValueError, ["multiple", "6", "4"]),
+    ("head_dim > 256", sds((1, 4, 2, 320)), sds((1, 4, 2, 320)), sds((1, 4, 2, 320)), {},
+     ValueError, ["head_dim 320", "256"]),
+    ("batch mismatch", Q, sds((3, 32, 2, 64)), sds((3, 32, 2, 64)), {}, ValueError,
+     ["batch", "(2, 16, 8, 64)", "(3, 32, 2, 64)"]),
+    ("k/v seqlen mismatch", Q, KV, sds((2, 31, 2, 64)), {}, ValueError,
+     ["v", "(2, 31, 2, 64)", "(2, 32, 2, 64)"]),
+    ("window too small", Q, KV, KV, dict(window_size=(-2, 0)), ValueError, ["window_size", "-2"]),
+    ("window wrong length", Q, KV, KV, dict(window_size=(3,)), ValueError, ["window_size", "(3,)"]),
+    ("window not ints", Q, KV, KV, dict(window_size=(1.5, 2)), TypeError, ["window_size", "1.5"]),
+    ("negative softcap", Q, KV, KV, dict(softcap=-1.0), ValueError, ["softcap", "-1.0"]),
+    ("infinite scale", Q, KV, KV, dict(softmax_scale=float("inf")), ValueError, ["softmax_scale"]),
+    ("unknown implementation", Q, KV, KV, dict(implementation="cudnn"), ValueError,
+     ["implementation", "'cudnn'"]),
+    ("causal not bool", Q, KV, KV, dict(causal="yes"), TypeError, ["causal"]),
+]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=[c[0] for c in FLASH_CASES])
+def test_flash_attention_rejects(case):
+    _, q, k, v, kw, exc, fragments = case
+    with pytest.raises(exc) as err:
+        trace(flash_attention, q, k, v, **kw)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
+
+
+def test_traced_softcap_and_scale_are_type_errors():
+    q = jnp.ones((1, 4, 2, 8), F32)
+    with pytest.raises(TypeError, match="softcap must be a static Python number"):
+        jax.jit(lambda q, c: flash_attention(q, q, q, softcap=c))(q, 1.0)
+    with pytest.raises(TypeError, match="softmax_scale must be a static"):
+        jax.jit(lambda q, s: flash_attention(q, q, q, softmax_scale=s))(q, 0.5)
+
+
+def test_non_array_input_is_a_type_error():
+    with pytest.raises(TypeError, match="q must be an array"):
+        flash_attention("not an array", jnp.ones((1, 2, 1, 8)), jnp.ones((1, 2, 1, 8)))
+
+
+def test_cuda_without_kernel_is_an_error_naming_the_reason():
+    from jax_fa3 import _ffi
+    reason = _ffi.unavailable_reason("fwd", BF16, 64)
+    if reason is None:
+        pytest.skip("the kernel is available here")
+    with pytest.raises(RuntimeError) as err:
+        trace(flash_attention, implementation="cuda")
+    assert reason in str(err.value)
+
+
+NQ = sds((2, 16, 8, 64), F32)
+NKV = sds((2, 32, 2, 64), F32)
+NN_CASES = [
+    ("query rank 5", dict(query=sds((1, 2, 16, 8, 64), F32)), {}, ValueError, ["query", "(1, 2, 16, 8, 64)"]),
+    ("key rank differs", dict(key=sds((32, 2, 64), F32)), {}, ValueError, ["key", "(32, 2, 64)"]),
+    ("dtype mismatch", dict(value=sds((2, 32, 2, 64), BF16)), {}, TypeError, ["value", "bfloat16"]),
+    ("heads", dict(query=sds((2, 16, 3, 64), F32)), {}, ValueError, ["multiple", "3", "2"]),
+    ("mask not bool", {}, dict(mask=jnp.ones((2, 1, 16, 32), jnp.int32)), TypeError,
+     ["mask", "boolean", "int32"]),
+    ("mask bad shape", {}, dict(mask=jnp.ones((2, 1, 16, 31), bool)), ValueError,
+     ["mask", "(2, 1, 16, 31)", "(2, 8, 16, 32)"]),
+    ("bias rank 5", {}, dict(bias=jnp.ones((1, 2, 1, 16, 32))), ValueError, ["bias", "4 dims"]),
+    ("bias bad shape", {}, dict(bias=jnp.ones((3, 8, 16, 32))), ValueError, ["bias", "(3, 8, 16, 32)"]),
+    ("seq lengths shape", {}, dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError,
+     ["query_seq_lengths", "(2,)", "(3,)"]),
+    ("seq lengths dtype", {}, dict(key_value_seq_lengths=jnp.ones((2,), F32)), ValueError,
+     ["key_value_seq_lengths", "int32", "float32"]),
+    ("window triple", {}, dict(local_window_size=(1, 2, 3)), ValueError, ["local_window_size"]),
+    ("implementation", {}, dict(implementation="cudnn"), ValueError, ["implementation"]),
+]
+
+
+@pytest.mark.parametrize("case", NN_CASES, ids=[c[0] for c in NN_CASES])
+def test_dot_product_attention_rejects(case):
+    _, arrays, kw, exc, fragments = case
+    arrays = {"query": NQ, "key": NKV, "value": NKV, **arrays}
+    with pytest.raises(exc) as err:
+        jax.eval_shape(lambda q, k, v: dot_product_attention(q, k, v, **kw),
+                       arrays["query"], arrays["key"], arrays["value"])
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"

@@ -1,0 +1,161 @@
+"""JAX transformations over flash_attention: jit, grad, value_and_grad, vmap (equal to a
+Python loop), checkpoint, nested vmap(grad), scan; and on Hopper, that vmap folds into one
+kernel call."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import random_like, random_qkv
+from jax_fa3 import flash_attention
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+OPTS = dict(causal=True, window_size=(6, -1), softcap=4.0)
+
+
+def attn(q, k, v, **kw):
+    return flash_attention(q, k, v, **{**OPTS, **kw})
+
+
+def loss(q, k, v, dout):
+    return (attn(q, k, v).astype(F32) * dout).sum()
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    q, k, v = random_qkv(30, 2, 12, 16, 4, 2, 16, F32)
+    return q, k, v, random_like(31, q)
+
+
+def close(a, b, atol=2e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x, F32), np.asarray(y, F32), rtol=1e-5, atol=atol)
+
+
+def test_jit_matches_eager(inputs):
+    q, k, v, _ = inputs
+    close(jax.jit(attn)(q, k, v), attn(q, k, v))
+
+
+def test_value_and_grad_matches_grad(inputs):
+    q, k, v, dout = inputs
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
+    close(value, loss(q, k, v, dout), atol=1e-5)
+    close(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout))
+
+
+def test_grad_of_one_argument(inputs):
+    q, k, v, dout = inputs
+    full = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout)
+    close(jax.grad(loss, argnums=1)(q, k, v, dout), full[1])
+
+
+def test_grad_through_lse_only(inputs):
+    q, k, v, _ = inputs
+    f = lambda q: flash_attention(q, k, v, return_lse=True, **OPTS)[1].sum()
+    g = jax.grad(f)(q)
+    eps = 1e-2  # central difference along a random direction, float32
+    d = random_like(32, q)
+    fd = (f(q + eps * d) - f(q - eps * d)) / (2 * eps)
+    np.testing.assert_allclose((g * d).sum(), fd, rtol=2e-3)
+
+
+def test_vmap_equals_loop(inputs):
+    q, k, v, _ = inputs
+    qs = jnp.stack([q, 2 * q, -q])
+    got = jax.vmap(attn)(qs, jnp.stack([k] * 3), jnp.stack([v] * 3))
+    close(got, jnp.stack([attn(x, k, v) for x in qs]))
+    # shared k/v (in_axes None) and a non-leading mapped axis
+    close(jax.vmap(attn, in_axes=(0, None, None))(qs, k, v), got)
+    q_ax1 = jnp.moveaxis(qs, 0, 1)
+    close(jax.vmap(attn, in_axes=(1, None, None), out_axes=1)(q_ax1, k, v),
+          jnp.moveaxis(got, 0, 1))
+
+
+def test_vmap_of_grad_equals_loop(inputs):
+    q, k, v, dout = inputs
+    qs, ks = jnp.stack([q, 0.5 * q]), jnp.stack([k, -k])
+    g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, None, None)))
+    got = g(qs, ks, v, dout)
+    for i in range(2):
+        close([x[i] for x in got], jax.grad(loss, argnums=(0, 1, 2))(qs[i], ks[i], v, dout))
+
+
+def test_nested_vmap_of_grad(inputs):
+    q, k, v, dout = inputs
+    qs = jnp.stack([jnp.stack([q, 2 * q]), jnp.stack([-q, q / 3])])  # (2, 2, ...)
+    grad_q = jax.grad(loss)
+    got = jax.vmap(jax.vmap(grad_q, in_axes=(0, None, None, None)),
+                   in_axes=(0, None, None, None))(qs, k, v, dout)
+    for i in range(2):
+        for j in range(2):
+            close(got[i, j], grad_q(qs[i, j], k, v, dout))
+
+
+def test_checkpoint_matches_plain_grad(inputs):
+    q, k, v, dout = inputs
+    remat = jax.checkpoint(loss)
+    close(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, v, dout),
+          jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout))
+    policy = jax.checkpoint_policies.nothing_saveable
+    remat2 = jax.checkpoint(loss, policy=policy)
+    close(jax.grad(remat2)(q, k, v, dout), jax.grad(loss)(q, k, v, dout))
+
+
+def test_scan_over_layers(inputs):
+    """A layer stack under lax.scan, differentiated: the pattern of a transformer."""
+    q, k, v, dout = inputs
+    ws = jnp.stack([jnp.eye(16), 0.5 * jnp.eye(16), -jnp.eye(16)])
+
+    def model(q, ws):
+        def layer(x, w):
+            return attn(x @ w, k, v) + x, None
+        return (jax.lax.scan(layer, q, ws)[0] * dout).sum()
+
+    def unrolled(q, ws):
+        x = q
+        for w in ws:
+            x = attn(x @ w, k, v) + x
+        return (x * dout).sum()
+
+    close(jax.jit(jax.grad(model, argnums=(0, 1)))(q, ws), jax.grad(unrolled, argnums=(0, 1))(q, ws),
+          atol=1e-5)
+
+
+def test_bf16_grads_keep_dtypes():
+    q, k, v = random_qkv(33, 1, 8, 8, 2, 1, 32, BF16)
+    grads = jax.grad(lambda q, k, v: attn(q, k, v).astype(F32).sum(), argnums=(0, 1, 2))(q, k, v)
+    assert [g.dtype for g in grads] == [BF16] * 3
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+# ----------------------------------------------------------------------------- on Hopper
+
+def _ffi_calls(jaxpr):
+    """Count ffi_call equations, descending into sub-jaxprs."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += "ffi" in eqn.primitive.name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    n += _ffi_calls(inner)
+    return n
+
+
+@pytest.mark.gpu
+def test_vmap_folds_into_one_kernel_call():
+    q, k, v = random_qkv(34, 2, 128, 128, 4, 2, 128, BF16)
+    qs = jnp.stack([q, q])
+    fwd = jax.make_jaxpr(jax.vmap(functools.partial(flash_attention, causal=True,
+                                                    implementation="cuda")))(qs, qs, qs)
+    assert _ffi_calls(fwd.jaxpr) == 1
+    got = jax.vmap(functools.partial(flash_attention, implementation="cuda"))(qs, qs, qs)
+    want = jnp.stack([flash_attention(x, x, x, implementation="cuda") for x in qs])
+    np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
