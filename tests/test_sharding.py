@@ -1,0 +1,285 @@
+"""Sharding rules of the attention calls on 8 simulated CPU devices.
+
+`partitioned_attention_fwd/bwd` under jax.jit with NamedSharding inputs, through
+custom_partitioning (Auto axes; Shardy, and the GSPMD callbacks) and through shard_map
+(Explicit axes): results equal the unsharded call, come back with the query's sharding, and
+batch/head sharding compiles to local calls with no all-gather.
+
+Like tests/test_ring.py, this module needs 8 CPU devices before JAX initialises; otherwise its
+tests skip and `test_module_in_subprocess` runs it in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+
+try:
+    jax.config.update("jax_num_cpu_devices", 8)
+except RuntimeError:  # JAX already initialised by an earlier test module
+    pass
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import helpers
+from jax_fa3 import attention, sharding
+from jax_fa3._masks import band
+
+NDEV = 8
+ENOUGH = jax.device_count() >= NDEV
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices(request):
+    if not ENOUGH and request.node.originalname != "test_module_in_subprocess":
+        pytest.skip(f"JAX was initialised with {jax.device_count()} device(s) before this module; "
+                    "test_module_in_subprocess runs it with 8")
+
+
+@pytest.mark.skipif(ENOUGH, reason="8 devices available: the tests ran in this process")
+def test_module_in_subprocess():
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(NDEV),
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
+                         f"--xla_force_host_platform_device_count={NDEV}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__)], cwd=root, env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- the plan (pure)
+
+def test_plan_shardings():
+    """The decisions the callbacks make, on their own (custom_partitioning would hide an
+    exception raised in them)."""
+    mesh = {"data": 2, "model": 4, "x": 2, "sp": 4}
+    plan = sharding.plan_shardings
+    # Batch and heads pass through; head_dim is never sharded; k/v follow q.
+    p = plan(mesh, P("data", None, "model", "x"), (4, 8, 8, 64), (4, 8, 8, 64))
+    assert (p.q, p.kv, p.lse) == (P("data", None, "model", None), P("data", None, "model", None),
+                                  P("data", "model", None))
+    # GQA: 4-way head sharding divides heads_kv = 4: kv heads sharded alike.
+    p = plan(mesh, P(None, None, "model"), (1, 8, 16, 8), (1, 8, 4, 8))
+    assert p.kv == P(None, None, "model", None) and p.kv_shared == ()
+    # Finer than heads_kv = 2: kv replicated over the axis, one kv head picked per device.
+    p = plan(mesh, P(None, None, "model"), (1, 8, 8, 8), (1, 8, 2, 8))
+    assert p.heads == ("model",) and p.kv_heads == () and p.kv_shared == ("model",)
+    # Two axes: the prefix of size 2 = heads_kv shards kv, the rest shares.
+    p = plan(mesh, P(None, None, ("data", "model")), (1, 8, 8, 8), (1, 8, 2, 8))
+    assert p.kv_heads == ("data",) and p.kv_shared == ("model",)
+    # 2 devices divide heads_kv = 4: kv sharded like q.
+    p = plan(mesh, P(None, None, "x"), (1, 8, 12, 8), (1, 8, 4, 8))
+    assert p.heads == ("x",) and p.kv_heads == ("x",)
+    # 3 query heads per device inside a group of 6: one kv head each, picked locally.
+    p = plan(mesh, P(None, None, "model"), (1, 8, 12, 8), (1, 8, 2, 8))
+    assert p.kv_shared == ("model",)
+    # MQA: every device shares the one kv head.
+    p = plan({"m": 4}, P(None, None, "m"), (1, 8, 8, 8), (1, 8, 1, 8))
+    assert p.kv_shared == ("m",)
+    # 3 query heads per device would straddle groups of 2: head sharding dropped rather than
+    # a wrong head mapping.
+    p = plan({"m": 4}, P(None, None, "m"), (1, 8, 12, 8), (1, 8, 6, 8))
+    assert p.heads == () and p.kv_heads == ()
+    # Sequence sharding: kept (ring) when it divides seq_k too, dropped otherwise.
+    p = plan(mesh, P("data", "sp"), (2, 16, 4, 8), (2, 8, 4, 8))
+    assert p.seq == ("sp",) and p.lse == P("data", None, "sp")
+    assert plan(mesh, P(None, "sp"), (2, 16, 4, 8), (2, 6, 4, 8)).seq == ()
+
+
+def test_sharding_rule_strings():
+    rule = sharding._sharding_rule
+    assert rule((1, 8, 4, 8), (1, 8, 4, 8), False)[0] == "b s h d, b s h d, b s h d -> b s h d, b h s"
+    fwd, kw = rule((1, 8, 8, 8), (1, 16, 2, 8), False)
+    assert fwd == "b s h d, b t k d, b t k d -> b s h d, b h s"
+    assert kw == {"need_replication_factors": ("d",)}
+    bwd = rule((1, 8, 8, 8), (1, 8, 2, 8), True)[0]
+    assert bwd.split(" -> ")[1] == "b s h d, b s k d, b s k d"
+
+
+# ----------------------------------------------------------------------------- partitioned calls
+
+MESHES = {  # name: (mesh shape, axis names, q spec, hq, hkv, causal)
+    "batch": ((8,), ("data",), P("data"), 4, 4, False),
+    "heads": ((4,), ("model",), P(None, None, "model"), 4, 4, True),
+    "batch-heads-gqa": ((2, 4), ("data", "model"), P("data", None, "model"), 8, 4, True),
+    "heads-finer-than-kv": ((2, 4), ("data", "model"), P("data", None, "model"), 8, 2, False),
+    "seq-ring": ((4,), ("sp",), P(None, "sp"), 4, 2, True),
+    "batch-seq": ((2, 4), ("data", "sp"), P("data", "sp"), 4, 4, True),
+}
+
+
+def _mesh(shape, names, types):
+    n = int(np.prod(shape))
+    return jax.make_mesh(shape, names, axis_types=(types,) * len(names), devices=jax.devices()[:n])
+
+
+def _inputs(b, s, hq, hkv, d=16, seed=0):
+    q, k, v = helpers.random_qkv(jax.random.key(seed), b, s, s, hq, hkv, d, jnp.float32, scale=2.0)
+    return q, k, v, helpers.random_like(jax.random.key(seed + 1), q)
+
+
+def _opts(causal, **kw):
+    left, right = band(causal, kw.pop("window_size", (-1, -1)))
+    return dict(softmax_scale=0.3, softcap=kw.pop("softcap", 0.0), left=left, right=right,
+                implementation=None)
+
+
+def _fwd_bwd(f_fwd, f_bwd, q, k, v, dout, opts):
+    fwd = jax.jit(lambda q, k, v: f_fwd(q, k, v, **opts))
+    bwd = jax.jit(lambda *a: f_bwd(*a, deterministic=False, **opts))
+    out, lse = fwd(q, k, v)
+    return (out, lse) + tuple(bwd(q, k, v, out, lse, dout)), fwd, bwd
+
+
+def _unsharded(q, k, v, dout, opts):
+    return _fwd_bwd(attention.attention_fwd, attention.attention_bwd, q, k, v, dout, opts)[0]
+
+
+def _put(mesh, spec, *xs):
+    return tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in xs)
+
+
+def _kv_input_spec(mesh, spec, hkv):
+    """k/v given sharded like q where that divides heads_kv, else replicated over heads."""
+    heads = spec[2] if len(spec) > 2 else None
+    if heads is None or hkv % mesh.shape[heads] == 0:
+        return spec
+    return P(*spec[:2])
+
+
+def _same_spec(got, want):
+    """PartitionSpecs equal up to trailing Nones."""
+    norm = lambda s: tuple(s) + (None,) * (4 - len(tuple(s)))
+    return norm(got) == norm(want)
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", list(MESHES))
+def test_partitioned_equals_unsharded(name, types):
+    """out, lse, dq, dk, dv equal the single-device call; outputs carry the query's sharding
+    (lse (b, h, s) the matching one, dk/dv the planned kv sharding)."""
+    shape, names, spec, hq, hkv, causal = MESHES[name]
+    mesh = _mesh(shape, names, types)
+    q, k, v, dout = _inputs(8, 16, hq, hkv)
+    opts = _opts(causal)
+    want = _unsharded(q, k, v, dout, opts)
+    kv_spec = _kv_input_spec(mesh, spec, hkv)
+    qs, dos = _put(mesh, spec, q, dout)
+    ks, vs = _put(mesh, kv_spec, k, v)
+    got, _, _ = _fwd_bwd(sharding.partitioned_attention_fwd, sharding.partitioned_attention_bwd,
+                         qs, ks, vs, dos, opts)
+    for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {label}")
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
+    out, lse, dq, dk, dv = got
+    assert _same_spec(out.sharding.spec, spec) and _same_spec(dq.sharding.spec, spec)
+    assert _same_spec(lse.sharding.spec, plan.lse), lse.sharding.spec
+    if types == AxisType.Explicit:  # Auto leaves dk/dv to propagation (may follow k's input)
+        assert _same_spec(dk.sharding.spec, plan.kv), dk.sharding.spec
+
+
+def _collectives(text):
+    return sorted(set(re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|"
+                                 r"reduce-scatter)\b", text)))
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_batch_head_sharding_compiles_to_local_calls(shardy):
+    """(batch, heads) with GQA: the compiled forward and backward have no collective at all
+    (no all-gather of q/k/v); heads sharded finer than heads_kv need only the all-reduce of
+    dK/dV. Checked with Shardy and with the GSPMD callbacks."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        mesh = _mesh((2, 4), ("data", "model"), AxisType.Auto)
+        spec = P("data", None, "model")
+        for hkv, allowed_bwd in ((4, []), (2, ["all-reduce"])):
+            q, k, v, dout = _inputs(4, 16, 8, hkv)
+            opts = _opts(True)
+            qs, dos = _put(mesh, spec, q, dout)
+            ks, vs = _put(mesh, _kv_input_spec(mesh, spec, hkv), k, v)
+            got, fwd, bwd = _fwd_bwd(sharding.partitioned_attention_fwd,
+                                     sharding.partitioned_attention_bwd, qs, ks, vs, dos, opts)
+            out, lse = got[:2]
+            assert _collectives(fwd.lower(qs, ks, vs).compile().as_text()) == []
+            bwd_text = bwd.lower(qs, ks, vs, out, lse, dos).compile().as_text()
+            assert _collectives(bwd_text) == allowed_bwd, _collectives(bwd_text)
+            assert _same_spec(out.sharding.spec, spec)
+            want = _unsharded(q, k, v, dout, opts)
+            for a, r in zip(got, want):
+                np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def test_gspmd_sequence_sharding_runs_the_ring():
+    """With Shardy off the GSPMD callbacks route a sharded sequence to the ring too: only
+    collective-permutes, results equal the unsharded call (sliding window + softcap)."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", False)
+    try:
+        mesh = _mesh((2, 4), ("data", "sp"), AxisType.Auto)
+        spec = P("data", "sp")
+        q, k, v, dout = _inputs(2, 32, 4, 2)
+        opts = _opts(True, window_size=(7, -1), softcap=5.0)
+        qs, ks, vs, dos = _put(mesh, spec, q, k, v, dout)
+        got, fwd, _ = _fwd_bwd(sharding.partitioned_attention_fwd,
+                               sharding.partitioned_attention_bwd, qs, ks, vs, dos, opts)
+        assert _collectives(fwd.lower(qs, ks, vs).compile().as_text()) == ["collective-permute"]
+        assert _same_spec(got[1].sharding.spec, P("data", None, "sp"))
+        for a, r in zip(got, _unsharded(q, k, v, dout, opts)):
+            np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", previous)
+
+
+def test_inside_shard_map_and_vmap():
+    """Inside a shard_map over all axes the call is plain local attention on the shard; under
+    vmap the extra axis folds into the batch."""
+    mesh = _mesh((4,), ("model",), AxisType.Auto)
+    q, k, v, dout = _inputs(2, 16, 8, 4)
+    opts = _opts(True)
+    spec = P(None, None, "model")
+    f = jax.shard_map(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts),
+                      mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P(None, "model")),
+                      check_vma=False)  # the portable path's scan carries are not vma-typed yet
+    out, lse = jax.jit(f)(q, k, v)
+    want_out, want_lse = attention.attention_fwd(q, k, v, **opts)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+    stack = lambda x: jnp.stack([x, x[::-1]])  # (2, b, ...): a vmapped leading axis
+    vf = jax.jit(jax.vmap(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts)))
+    out, lse = vf(stack(q), stack(k), stack(v))
+    for i, sl in enumerate((slice(None), slice(None, None, -1))):
+        o, l = attention.attention_fwd(q[sl], k[sl], v[sl], **opts)
+        np.testing.assert_allclose(out[i], o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[i], l, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attention_under_sharded_jit():
+    """The public flash_attention, differentiated under jit with (batch, heads)-sharded GQA
+    inputs: equal to the unsharded result, output keeps the query's sharding."""
+    mesh = _mesh((2, 4), ("data", "model"), AxisType.Auto)
+    spec = P("data", None, "model")
+    q, k, v, dout = _inputs(4, 16, 8, 4)
+
+    def loss(q, k, v):
+        out = attention.flash_attention(q, k, v, causal=True, softcap=3.0)
+        return jnp.sum(out * dout), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (dq, dk, dv), out = grad(*_put(mesh, spec, q, k, v))
+    (rq, rk, rv), rout = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    assert _same_spec(out.sharding.spec, spec) and _same_spec(dq.sharding.spec, spec)
+    for a, r in zip((out, dq, dk, dv), (rout, rq, rk, rv)):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
