@@ -151,7 +151,9 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   if (size_t bytes = bwd_workspace_bytes(p); bytes > 0) {
-    auto ws = scratch.Allocate(bytes, 256);
+    // XLA's FFI allocator accepts alignments up to 16 (its allocations are 256-aligned anyway);
+    // the backward needs 16 (TMA bulk copies, float4 atomics).
+    auto ws = scratch.Allocate(bytes, 16);
     if (!ws.has_value())
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                         "jax_fa3: could not allocate " + std::to_string(bytes) + " bytes of backward scratch");
