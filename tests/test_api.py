@@ -155,14 +155,14 @@ def test_dot_product_attention_matches_jax_nn(name, t, s):
             kw["local_window_size"], tuple) else t
     dout = random_like(21, q)
 
-    def grads(fn):
+    def run(fn):
         loss = lambda q, k, v: (fn(q, k, v, **kw) * dout).sum()
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        return jax.jit(lambda q, k, v: (fn(q, k, v, **kw), jax.value_and_grad(
+            loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
 
-    (got_loss, got), (want_loss, want) = grads(dot_product_attention), grads(
-        jax.nn.dot_product_attention)
-    np.testing.assert_allclose(dot_product_attention(q, k, v, **kw),
-                               jax.nn.dot_product_attention(q, k, v, **kw), atol=3e-6)
+    got_out, (got_loss, got) = run(dot_product_attention)
+    want_out, (want_loss, want) = run(jax.nn.dot_product_attention)
+    np.testing.assert_allclose(got_out, want_out, atol=3e-6)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=2e-5)
@@ -171,11 +171,13 @@ def test_dot_product_attention_matches_jax_nn(name, t, s):
 def test_dot_product_attention_bias_gradient_and_bf16():
     q, k, v, mask, bias = _nn_inputs()
     loss = lambda fn: lambda bias: (fn(q, k, v, bias=bias, mask=mask) ** 2).sum()
-    np.testing.assert_allclose(jax.grad(loss(dot_product_attention))(bias),
-                               jax.grad(loss(jax.nn.dot_product_attention))(bias), atol=2e-5)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss(dot_product_attention)))(bias),
+                               jax.jit(jax.grad(loss(jax.nn.dot_product_attention)))(bias),
+                               atol=2e-5)
     qb, kb, vb = (x.astype(BF16) for x in (q, k, v))
-    got = dot_product_attention(qb, kb, vb, is_causal=True)
-    want = jax.nn.dot_product_attention(qb, kb, vb, is_causal=True)
+    causal = lambda fn: jax.jit(lambda q, k, v: fn(q, k, v, is_causal=True))
+    got = causal(dot_product_attention)(qb, kb, vb)
+    want = causal(jax.nn.dot_product_attention)(qb, kb, vb)
     assert got.dtype == BF16
     np.testing.assert_allclose(np.asarray(got, F32), np.asarray(want, F32), atol=2e-2)
 
@@ -183,14 +185,15 @@ def test_dot_product_attention_bias_gradient_and_bf16():
 def test_dot_product_attention_unbatched_and_residual():
     q, k, v, mask, bias = _nn_inputs()
     q3, k3, v3 = q[0], k[0], v[0]
-    got, res = dot_product_attention(q3, k3, v3, is_causal=True, return_residual=True)
-    want, want_res = jax.nn.dot_product_attention(q3, k3, v3, is_causal=True, return_residual=True)
+    run = lambda fn: jax.jit(lambda q, k, v: fn(q, k, v, is_causal=True, return_residual=True))
+    got, res = run(dot_product_attention)(q3, k3, v3)
+    want, want_res = run(jax.nn.dot_product_attention)(q3, k3, v3)
     assert got.shape == q3.shape and res.shape == want_res.shape == q3.shape[:-1]
     np.testing.assert_allclose(got, want, atol=3e-6)
     np.testing.assert_allclose(res, want_res, atol=3e-6)
-    got = dot_product_attention(q3, k3, v3, bias=bias[0], mask=mask[0])
-    np.testing.assert_allclose(got, jax.nn.dot_product_attention(q3, k3, v3, bias=bias[0],
-                                                                 mask=mask[0]), atol=3e-6)
+    run = lambda fn: jax.jit(lambda q, k, v: fn(q, k, v, bias=bias[0], mask=mask[0]))
+    np.testing.assert_allclose(run(dot_product_attention)(q3, k3, v3),
+                               run(jax.nn.dot_product_attention)(q3, k3, v3), atol=3e-6)
 
 
 def test_dot_product_attention_fully_masked_row_is_zero():

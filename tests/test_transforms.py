@@ -26,6 +26,11 @@ def loss(q, k, v, dout):
     return (attn(q, k, v).astype(F32) * dout).sum()
 
 
+# Jitted once per module: the loops below reuse one compile instead of eager op-by-op runs.
+attn_jit = jax.jit(attn)
+grad_jit = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
 @pytest.fixture(scope="module")
 def inputs():
     q, k, v = random_qkv(30, 2, 12, 16, 4, 2, 16, F32)
@@ -39,28 +44,28 @@ def close(a, b, atol=2e-6):
 
 def test_jit_matches_eager(inputs):
     q, k, v, _ = inputs
-    close(jax.jit(attn)(q, k, v), attn(q, k, v))
+    close(attn_jit(q, k, v), attn(q, k, v))
 
 
 def test_value_and_grad_matches_grad(inputs):
     q, k, v, dout = inputs
     value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
     close(value, loss(q, k, v, dout), atol=1e-5)
-    close(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout))
+    close(grads, grad_jit(q, k, v, dout))
 
 
 def test_grad_of_one_argument(inputs):
     q, k, v, dout = inputs
-    full = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout)
-    close(jax.grad(loss, argnums=1)(q, k, v, dout), full[1])
+    close(jax.jit(jax.grad(loss, argnums=1))(q, k, v, dout), grad_jit(q, k, v, dout)[1])
 
 
 def test_grad_through_lse_only(inputs):
     q, k, v, _ = inputs
     f = lambda q: flash_attention(q, k, v, return_lse=True, **OPTS)[1].sum()
-    g = jax.grad(f)(q)
+    g = jax.jit(jax.grad(f))(q)
     eps = 1e-2  # central difference along a random direction, float32
     d = random_like(32, q)
+    f = jax.jit(f)
     fd = (f(q + eps * d) - f(q - eps * d)) / (2 * eps)
     np.testing.assert_allclose((g * d).sum(), fd, rtol=2e-3)
 
@@ -68,12 +73,12 @@ def test_grad_through_lse_only(inputs):
 def test_vmap_equals_loop(inputs):
     q, k, v, _ = inputs
     qs = jnp.stack([q, 2 * q, -q])
-    got = jax.vmap(attn)(qs, jnp.stack([k] * 3), jnp.stack([v] * 3))
-    close(got, jnp.stack([attn(x, k, v) for x in qs]))
+    got = jax.jit(jax.vmap(attn))(qs, jnp.stack([k] * 3), jnp.stack([v] * 3))
+    close(got, jnp.stack([attn_jit(x, k, v) for x in qs]))
     # shared k/v (in_axes None) and a non-leading mapped axis
-    close(jax.vmap(attn, in_axes=(0, None, None))(qs, k, v), got)
+    close(jax.jit(jax.vmap(attn, in_axes=(0, None, None)))(qs, k, v), got)
     q_ax1 = jnp.moveaxis(qs, 0, 1)
-    close(jax.vmap(attn, in_axes=(1, None, None), out_axes=1)(q_ax1, k, v),
+    close(jax.jit(jax.vmap(attn, in_axes=(1, None, None), out_axes=1))(q_ax1, k, v),
           jnp.moveaxis(got, 0, 1))
 
 
@@ -83,28 +88,27 @@ def test_vmap_of_grad_equals_loop(inputs):
     g = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, 0, None, None)))
     got = g(qs, ks, v, dout)
     for i in range(2):
-        close([x[i] for x in got], jax.grad(loss, argnums=(0, 1, 2))(qs[i], ks[i], v, dout))
+        close([x[i] for x in got], grad_jit(qs[i], ks[i], v, dout))
 
 
 def test_nested_vmap_of_grad(inputs):
     q, k, v, dout = inputs
     qs = jnp.stack([jnp.stack([q, 2 * q]), jnp.stack([-q, q / 3])])  # (2, 2, ...)
     grad_q = jax.grad(loss)
-    got = jax.vmap(jax.vmap(grad_q, in_axes=(0, None, None, None)),
-                   in_axes=(0, None, None, None))(qs, k, v, dout)
+    got = jax.jit(jax.vmap(jax.vmap(grad_q, in_axes=(0, None, None, None)),
+                           in_axes=(0, None, None, None)))(qs, k, v, dout)
     for i in range(2):
         for j in range(2):
-            close(got[i, j], grad_q(qs[i, j], k, v, dout))
+            close(got[i, j], grad_jit(qs[i, j], k, v, dout)[0])
 
 
 def test_checkpoint_matches_plain_grad(inputs):
     q, k, v, dout = inputs
     remat = jax.checkpoint(loss)
-    close(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, v, dout),
-          jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout))
-    policy = jax.checkpoint_policies.nothing_saveable
-    remat2 = jax.checkpoint(loss, policy=policy)
-    close(jax.grad(remat2)(q, k, v, dout), jax.grad(loss)(q, k, v, dout))
+    want = grad_jit(q, k, v, dout)
+    close(jax.jit(jax.grad(remat, argnums=(0, 1, 2)))(q, k, v, dout), want)
+    remat2 = jax.checkpoint(loss, policy=jax.checkpoint_policies.nothing_saveable)
+    close(jax.jit(jax.grad(remat2))(q, k, v, dout), want[0])
 
 
 def test_scan_over_layers(inputs):
@@ -123,13 +127,14 @@ def test_scan_over_layers(inputs):
             x = attn(x @ w, k, v) + x
         return (x * dout).sum()
 
-    close(jax.jit(jax.grad(model, argnums=(0, 1)))(q, ws), jax.grad(unrolled, argnums=(0, 1))(q, ws),
-          atol=1e-5)
+    close(jax.jit(jax.grad(model, argnums=(0, 1)))(q, ws),
+          jax.jit(jax.grad(unrolled, argnums=(0, 1)))(q, ws), atol=1e-5)
 
 
 def test_bf16_grads_keep_dtypes():
     q, k, v = random_qkv(33, 1, 8, 8, 2, 1, 32, BF16)
-    grads = jax.grad(lambda q, k, v: attn(q, k, v).astype(F32).sum(), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(F32).sum(),
+                             argnums=(0, 1, 2)))(q, k, v)
     assert [g.dtype for g in grads] == [BF16] * 3
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
 
