@@ -322,7 +322,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
     )
     opt_state = jax.jit(tx.init)(params)
-    opt_sharding = jax.tree.map(lambda x: x.sharding, opt_state)
+    # Moments inherit the parameters' shardings; scalars (step counts) are replicated.
+    opt_sharding = jax.tree.map(
+        lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P()),
+        opt_state)
+    opt_state = jax.device_put(opt_state, opt_sharding)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 
     def loss_fn(params, batch):

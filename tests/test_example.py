@@ -1,0 +1,125 @@
+"""Smoke test of examples/train_llm.py: a few steps in-process, the loss falls, the outputs
+are written, and a resumed run continues from the checkpoint. Plus its data pipeline and
+flag errors, which need no training."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+pytest.importorskip("orbax.checkpoint")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def _load(name):
+    """Imports examples/<name>.py (the examples are scripts, not a package)."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def train_llm():
+    return _load("train_llm")
+
+
+@pytest.fixture(scope="module")
+def llm_data():
+    return _load("llm_data")
+
+
+# A model small enough that a step takes milliseconds; lr high and warmup short so that ten
+# steps visibly lower the loss from ln(256) ~ 5.55.
+SMALL = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
+         "--mlp-hidden", "128", "--seq-len", "64", "--batch-size", "8", "--lr", "1e-2",
+         "--warmup-steps", "2", "--eval-every", "5", "--eval-batches", "2", "--log-every", "5",
+         "--ckpt-every", "5", "--sample-tokens", "8", "--no-progress", "--preset", "cpu-tiny"]
+
+
+def test_train_resume(train_llm, tmp_path, capsys):
+    out = str(tmp_path / "run")
+    first = train_llm.main(SMALL + ["--steps", "10", "--out-dir", out])
+    assert first["start_step"] == 0 and first["steps"] == 10
+    assert first["initial_loss"] > 5.0
+    assert first["final_loss"] < first["initial_loss"] - 1.0, first
+    assert first["eval_loss"] < first["initial_loss"] - 1.0, first
+    assert first["tokens_per_s"] > 0 and first["mfu"] is None  # no MFU on CPU
+    for name in ("summary.json", "loss.png", "metrics.jsonl"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    with open(os.path.join(out, "summary.json")) as f:
+        assert json.load(f)["final_loss"] == first["final_loss"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1])["eval_loss"] == first["eval_loss"]  # last line: the JSON
+
+    # Resume: starts at the saved step 10, and from the trained weights (a fresh model would
+    # start again near ln(256)).
+    second = train_llm.main(SMALL + ["--steps", "15", "--out-dir", out, "--resume"])
+    assert second["start_step"] == 10 and second["steps"] == 15
+    assert second["initial_loss"] < first["initial_loss"] - 1.0, second
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if '"train"' in line]
+    assert steps == sorted(steps) and steps[-1] == 15 and 10 in steps
+
+    # An explicit checkpoint dir that holds checkpoints is never overwritten silently.
+    with pytest.raises(SystemExit):
+        train_llm.main(SMALL + ["--steps", "15", "--out-dir", out,
+                                "--ckpt-dir", os.path.join(out, "checkpoints")])
+
+
+def test_flag_errors(train_llm, tmp_path, capsys):
+    cases = [
+        (["--data", str(tmp_path / "missing.txt")], "no such file"),
+        (["--batch-size", "0"], "--batch-size must be positive"),
+        (["--n-heads", "4", "--n-kv-heads", "3"], "n_kv_heads"),
+        (["--resume", "--out-dir", str(tmp_path / "empty")], "no checkpoint"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            train_llm.main(argv + ["--no-progress", "--preset", "cpu-tiny"])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
+def test_data_sources_and_batches(llm_data, tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(256)) * 20)
+    data = llm_data.load_tokens(str(text), seq_len=32, eval_fraction=0.1)
+    assert data.is_bytes and data.vocab_size == 256 and data.train.size + data.eval.size == 5120
+
+    tokens = (np.arange(5000) % 700).astype(np.uint16)
+    tokens.tofile(tmp_path / "tokens.bin")
+    np.save(tmp_path / "tokens.npy", tokens.astype(np.int32))
+    for name in ("tokens.bin", "tokens.npy"):
+        data = llm_data.load_tokens(str(tmp_path / name), seq_len=32)
+        assert not data.is_bytes and data.vocab_size == 700
+        np.testing.assert_array_equal(np.concatenate([data.train, data.eval]), tokens)
+    with pytest.raises(ValueError, match="vocab-size"):
+        llm_data.load_tokens(str(tmp_path / "tokens.npy"), seq_len=32, vocab_size=500)
+
+    # Windows of seq_len + 1 consecutive tokens; batches depend only on (seed, step); one
+    # epoch visits every window once.
+    data = llm_data.load_tokens(str(tmp_path / "tokens.npy"), seq_len=32)
+    b = llm_data.train_batch(data, 3, 4, 32, seed=0)
+    assert b.shape == (4, 33) and b.dtype == np.int32
+    assert ((np.diff(b, axis=1) % 700) == 1).all()
+    np.testing.assert_array_equal(b, llm_data.train_batch(data, 3, 4, 32, seed=0))
+    data = llm_data.TokenData(np.arange(3201), np.arange(100), 3201, False, "arange")
+    n = llm_data.num_windows(data.train, 32)
+    epoch = np.concatenate([llm_data.train_batch(data, s, 4, 32, seed=1) for s in range(n // 4)])
+    assert sorted(epoch[:, 0]) == list(range(0, 3200, 32))
+
+
+def test_stdlib_corpus_is_python(llm_data):
+    files = llm_data.stdlib_files()
+    assert len(files) > 100 and all(f.endswith(".py") for f in files)
+    assert not any("site-packages" in f for f in files)
