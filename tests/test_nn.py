@@ -393,7 +393,8 @@ def test_eqx_gqa_options_match_reference(opts):
 def test_eqx_vmap_jit_grad_and_serialisation():
     m = EqxAttention(H, F, num_kv_heads=1, causal=True, rope=True, key=jax.random.key(0))
     x = inputs(1, 3, 10, F)
-    batched = eqx.filter_jit(jax.vmap(m))(x)
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    batched = run(m, x)
     assert_close(batched, jnp.stack([m(xi) for xi in x]), name="vmap vs loop")
     # vmap over the model too (an ensemble of attention layers), as Equinox users do.
     keys = jax.random.split(jax.random.key(1), 2)
@@ -409,10 +410,9 @@ def test_eqx_vmap_jit_grad_and_serialisation():
     buf.seek(0)
     like = EqxAttention(H, F, num_kv_heads=1, causal=True, rope=True, key=jax.random.key(9))
     restored = eqx.tree_deserialise_leaves(buf, like)
-    assert_close(eqx.filter_jit(jax.vmap(restored))(x), batched, 0, "serialise")
+    assert_close(run(restored, x), batched, 0, "serialise")
     leaves, treedef = jax.tree_util.tree_flatten(m)
-    assert_close(eqx.filter_jit(jax.vmap(jax.tree_util.tree_unflatten(treedef, leaves)))(x), batched, 0,
-                 "flatten")
+    assert_close(run(jax.tree_util.tree_unflatten(treedef, leaves), x), batched, 0, "flatten")
 
 
 # ------------------------------------------------------------------ RoPE and optional imports
