@@ -13,6 +13,7 @@ import io
 import sys
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -255,11 +256,13 @@ def test_attention_fn_nnx_decode_cache():
     assert_close(jnp.concatenate(steps, axis=1), full, name="decode")
 
 
-def test_attention_fn_unbatched_and_bias():
+def test_attention_fn_unbatched_bias_and_top_left_causal():
     q, k, v = inputs(1, 5, H, 8), inputs(2, 7, 2, 8), inputs(3, 7, 2, 8)
     bias = inputs(4, H, 5, 7)
-    want = jax.jit(nnx.dot_product_attention)(q, k, v, bias=bias)
-    assert_close(jax.jit(attention_fn)(q, k, v, bias=bias), want, name="unbatched + bias")
+    for kw in (dict(bias=bias), dict(is_causal=True)):  # Flax's is_causal: top-left when 5 != 7
+        want = jax.jit(lambda q, k, v: nnx.dot_product_attention(q, k, v, **kw))(q, k, v)
+        got = jax.jit(lambda q, k, v: attention_fn(q, k, v, **kw))(q, k, v)
+        assert_close(got, want, name=str(list(kw)))
 
 
 def test_attention_fn_handles_or_rejects_every_flax_argument():
@@ -390,12 +393,25 @@ def test_eqx_gqa_options_match_reference(opts):
     assert_trees_close(eqx_as_flax_params(g), g_ref, 1e-4)
 
 
+def _loops_of_length(jaxpr, n):
+    """scan/while equations (at any depth) that could iterate over n items."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "while" or (eqn.primitive.name == "scan" and eqn.params["length"] == n):
+            found.append(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _loops_of_length(sub, n)
+    return found
+
+
 def test_eqx_vmap_jit_grad_and_serialisation():
     m = EqxAttention(H, F, num_kv_heads=1, causal=True, rope=True, key=jax.random.key(0))
     x = inputs(1, 3, 10, F)
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     batched = run(m, x)
     assert_close(batched, jnp.stack([m(xi) for xi in x]), name="vmap vs loop")
+    # Batched by the attention's batching rule, not by a loop over the 3 examples.
+    assert not _loops_of_length(jax.make_jaxpr(jax.vmap(m))(x).jaxpr, 3)
     # vmap over the model too (an ensemble of attention layers), as Equinox users do.
     keys = jax.random.split(jax.random.key(1), 2)
     ensemble = eqx.filter_vmap(lambda k: EqxAttention(H, F, causal=True, key=k))(keys)
