@@ -9,8 +9,10 @@ What it does: byte-level data (the Python standard library's sources unless --da
 given) packed into fixed-length windows; a Flax NNX transformer (llm_model.py) with float32
 parameters and float32 or bfloat16 compute; AdamW with warmup and cosine decay and gradient
 clipping, in one jitted step; parameters sharded over the 'fsdp' axis and the batch over
-('data', 'fsdp') of a device mesh, so the same script runs on one device, several, or
-several hosts (--distributed); orbax checkpoints; periodic eval; a sample at the end; a loss
+('data', 'fsdp') of a device mesh, optionally the sequence over 'context' (context
+parallelism: attention then reads keys and values across those devices, partitioned by
+jax_fa3's sharding rules where they apply and by XLA otherwise), so the same script runs on
+one device, several, or several hosts (--distributed); orbax checkpoints; periodic eval; a sample at the end; a loss
 curve PNG and a summary.json in --out-dir. The last line on stdout is the summary as JSON.
 """
 
@@ -92,6 +94,7 @@ class Config:
     ckpt_dir: str | None = None
     resume: bool = False
     fsdp: int = -1
+    context: int = 1
     prompt: str | None = None
     sample_tokens: int = 200
     temperature: float = 0.8
@@ -135,7 +138,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     g.add_argument("--out-dir", help="loss curve, metrics and summary (default out/train_llm)")
     g.add_argument("--ckpt-dir", help="orbax checkpoints (default <out-dir>/checkpoints)")
     g.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
-    g.add_argument("--fsdp", type=int, help="devices on the 'fsdp' mesh axis (default: all)")
+    g.add_argument("--fsdp", type=int, help="devices on the 'fsdp' mesh axis (default: all "
+                   "that --context leaves)")
+    g.add_argument("--context", type=int, help="devices on the 'context' axis, over which the "
+                   "sequence is sharded (default 1)")
     g.add_argument("--prompt", help="prompt of the final sample (default: 'def ' for text)")
     g.add_argument("--sample-tokens", type=int)
     g.add_argument("--temperature", type=float, help="0 = greedy")
@@ -175,12 +181,19 @@ def make_mesh(cfg: Config, parser: argparse.ArgumentParser):
     from jax.sharding import Mesh
 
     n = jax.device_count()
-    fsdp = n if cfg.fsdp <= 0 else cfg.fsdp
-    if n % fsdp:
-        parser.error(f"--fsdp {fsdp} does not divide the {n} devices")
-    if cfg.batch_size % n:
-        parser.error(f"--batch-size {cfg.batch_size} must be a multiple of the {n} devices")
-    return Mesh(np.asarray(jax.devices()).reshape(n // fsdp, fsdp), ("data", "fsdp"))
+    context = cfg.context
+    if context <= 0 or n % context:
+        parser.error(f"--context {context} must be positive and divide the {n} devices")
+    if cfg.seq_len % context:
+        parser.error(f"--seq-len {cfg.seq_len} must be a multiple of --context {context}")
+    per_context = n // context
+    fsdp = per_context if cfg.fsdp <= 0 else cfg.fsdp
+    if per_context % fsdp:
+        parser.error(f"--fsdp {fsdp} does not divide the {per_context} devices left by --context {context}")
+    if cfg.batch_size % per_context:
+        parser.error(f"--batch-size {cfg.batch_size} must be a multiple of data x fsdp = {per_context}")
+    devices = np.asarray(jax.devices()).reshape(per_context // fsdp, fsdp, context)
+    return Mesh(devices, ("data", "fsdp", "context"))
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp: int):
@@ -329,9 +342,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opt_state = jax.device_put(opt_state, opt_sharding)
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 
+    # Windows hold seq_len + 1 tokens: inputs and targets are the two shifted slices, which
+    # (not the odd-length window) get the sequence sharding over 'context'.
+    token_sharding = NamedSharding(mesh, P(("data", "fsdp"), "context"))
+
     def loss_fn(params, batch):
-        logits = nnx.merge(graphdef, params)(batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+        inputs, targets = (jax.lax.with_sharding_constraint(x, token_sharding)
+                           for x in (batch[:, :-1], batch[:, 1:]))
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -409,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f.write(json.dumps({"kind": kind, "step": step, "loss": loss}) + "\n")
 
     log(f"preset {cfg.preset} | {backend} x{jax.device_count()} ({jax.devices()[0].device_kind}) | "
-        f"mesh data={mesh.shape['data']} fsdp={fsdp}")
+        f"mesh data={mesh.shape['data']} fsdp={fsdp} context={mesh.shape['context']}")
     log(f"model {n_params / 1e6:.2f}M params (d_model {cfg.d_model}, {cfg.n_layers} layers, "
         f"{cfg.n_heads} heads / {cfg.n_kv_heads} kv heads, head_dim {model_cfg.head_dim}), "
         f"compute {cfg.dtype}, params float32")
