@@ -46,5 +46,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def x64():
     """Enable float64 in JAX for one test only."""
-    with jax.enable_x64(True):
+    enable = getattr(jax, "enable_x64", None)
+    if enable is None:  # older JAX spells it jax.experimental.enable_x64
+        from jax.experimental import enable_x64 as enable
+    with enable(True):
         yield

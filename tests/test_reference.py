@@ -83,3 +83,19 @@ def test_oracles_match_jax_nn_for_square_causal():
                                            (True, (5, 9)), (False, (-1, 2))])
 def test_band_matches_masks_module(causal, window):
     assert resolve_band(causal=causal, window_size=window) == _masks.band(causal, window)
+
+
+def test_checks_catch_bad_results():
+    """The helpers fail loudly: poisoned (unwritten) elements, and an answer that is wrong by
+    more than the baseline's rounding."""
+    from helpers import assert_error_ratio, assert_finite, poison_like
+    q, k, v = random_qkv(8, 1, 16, 16, 2, 2, 32, jnp.bfloat16)
+    out = plain_in_dtype(q, k, v)
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_finite("poisoned", poison_like(out).at[0, :8].set(out[0, :8]))
+    assert_finite("lse", jnp.array([0.0, -jnp.inf]), allow_neg_inf=True)
+    ref = reference_f64(q, k, v)[0]
+    assert_error_ratio("baseline vs itself", out, ref, out)
+    wrong = plain_in_dtype(q, k, v, softmax_scale=1.05 / np.sqrt(32))
+    with pytest.raises(AssertionError, match="baseline error"):
+        assert_error_ratio("wrong scale", wrong, ref, out)
