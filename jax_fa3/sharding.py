@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fa3 import ring
 from jax_fa3._ops import _fold_batch_rule

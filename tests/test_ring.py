@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
 from jax_fa3 import ring
-from jax_fa3._masks import UNBOUNDED, band
+from jax_fa3._masks import band
 from jax_fa3.attention import flash_attention
 from jax_fa3.sharding import context_parallel_attention
 
