@@ -23,6 +23,7 @@ import sysconfig
 import numpy as np
 
 BYTE_VOCAB = 256
+STDLIB_SOURCE = "python stdlib sources"
 
 
 @dataclasses.dataclass
@@ -100,7 +101,7 @@ def load_tokens(path: str | None, *, seq_len: int, eval_fraction: float = 0.01,
     for ``seq_len``, or a token id does not fit ``vocab_size``.
     """
     if path is None:
-        tokens, is_bytes, source = np.frombuffer(stdlib_corpus(), np.uint8), True, "python stdlib sources"
+        tokens, is_bytes, source = np.frombuffer(stdlib_corpus(), np.uint8), True, STDLIB_SOURCE
     else:
         tokens, is_bytes = _read_tokens(path, bin_dtype)
         source = path

@@ -21,20 +21,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # llm_model, llm_data
 try:
-    import jax_fa3  # noqa: F401  (installed with `pip install ".[examples]"`)
+    import jax_fa3  # installed with `pip install ".[examples]"`
 except ImportError:  # a source checkout that is not installed: use it in place (portable path)
     sys.path.insert(1, os.path.dirname(HERE))
+    import jax_fa3
+
+import llm_data  # noqa: E402
+import llm_model  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
     # ~0.8M parameters; about a minute on two CPU cores; the loss falls from ln(256) ~ 5.5 to ~2.
@@ -176,10 +187,7 @@ def build_config(parser: argparse.ArgumentParser, args: argparse.Namespace, back
 # ------------------------------------------------------------------------------- sharding
 
 
-def make_mesh(cfg: Config, parser: argparse.ArgumentParser):
-    import jax
-    from jax.sharding import Mesh
-
+def make_mesh(cfg: Config, parser: argparse.ArgumentParser) -> Mesh:
     n = jax.device_count()
     context = cfg.context
     if context <= 0 or n % context:
@@ -196,10 +204,8 @@ def make_mesh(cfg: Config, parser: argparse.ArgumentParser):
     return Mesh(devices, ("data", "fsdp", "context"))
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp: int):
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
     """Shard the largest axis that the 'fsdp' size divides; replicate small or odd arrays."""
-    from jax.sharding import PartitionSpec as P
-
     candidates = [i for i, d in enumerate(shape) if d % fsdp == 0 and d >= fsdp]
     if fsdp == 1 or not candidates:
         return P()
@@ -210,7 +216,7 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int):
 # ------------------------------------------------------------------------------- helpers
 
 
-def peak_flops(device) -> float | None:
+def peak_flops(device: jax.Device) -> float | None:
     """bf16 dense peak of one device, or None when unknown (CPU, other chips)."""
     if device.platform != "gpu":
         return None
@@ -225,10 +231,6 @@ def attention_description(cfg: Config) -> str:
     """What --attention runs here, including whether jax_fa3 takes its Hopper kernel."""
     if cfg.attention != "fa3":
         return f"jax.nn.dot_product_attention(implementation={cfg.attention!r})"
-    import jax.numpy as jnp
-
-    import jax_fa3
-
     head_dim = cfg.d_model // cfg.n_heads
     reasons = {d: jax_fa3.unavailable_reason(d, jnp.dtype(cfg.dtype), head_dim) for d in ("fwd", "bwd")}
     if reasons["fwd"] is None:
@@ -275,24 +277,10 @@ def read_metrics(path: str, upto: int) -> tuple[list, list]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser, args = parse_args(argv)
-    import jax
-
     if args.distributed:
         jax.distributed.initialize()  # before anything touches the backend
     backend = jax.default_backend()
     cfg = build_config(parser, args, backend)
-
-    import jax.numpy as jnp
-    import optax
-    import orbax.checkpoint as ocp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from tqdm import tqdm
-
-    import llm_data
-    import llm_model
-
     lead = jax.process_index() == 0
 
     def log(msg: str) -> None:
@@ -305,6 +293,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     vocab_size=cfg.vocab_size, bin_dtype=cfg.bin_dtype)
     except ValueError as err:
         parser.error(str(err))
+    if cfg.prompt is not None and not data.is_bytes:
+        parser.error("--prompt needs byte-level data (text); with token files the sample "
+                     "continues the first eval tokens")
     model_cfg = llm_model.ModelConfig(
         vocab_size=data.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, mlp_hidden=cfg.mlp_hidden, dtype=cfg.dtype, remat=cfg.remat)
@@ -361,9 +352,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                          out_shardings=(param_sharding, opt_sharding, None, None))
     eval_step = jax.jit(loss_fn)
 
-    def device_batch(batch: np.ndarray) -> jax.Array:
-        # Every process builds the same global batch and hands over the shards it owns.
-        return jax.make_array_from_callback(batch.shape, batch_sharding, lambda idx: batch[idx])
+    def device_batch(batch: np.ndarray, sharding: NamedSharding = batch_sharding) -> jax.Array:
+        # Every process builds the same global array and hands over the shards it owns
+        # (a plain jnp.asarray would live on one local device only: wrong on several hosts).
+        return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
     # ---- checkpoints
     out_dir = os.path.abspath(cfg.out_dir)
@@ -383,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--resume: the checkpoint in {ckpt_dir} is of another model:\n  saved {saved}\n"
                          f"  now   {dataclasses.asdict(model_cfg)}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
-                              {"params": params, "opt_state": opt_state, "step": jnp.int32(0)})
+                              {"params": params, "opt_state": opt_state, "step": np.asarray(0, np.int32)})
         restored = mngr.restore(latest, args=ocp.args.StandardRestore(target))
         params, opt_state, start_step = restored["params"], restored["opt_state"], int(restored["step"])
         log(f"resumed from {ckpt_dir} at step {start_step}")
@@ -400,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             json.dump(dataclasses.asdict(model_cfg), f)
 
     def save(step: int) -> None:
-        state = {"params": params, "opt_state": opt_state, "step": jnp.int32(step)}
+        state = {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int32)}
         mngr.save(step, args=ocp.args.StandardSave(state))
 
     # ---- bookkeeping
@@ -482,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"nothing to train: the checkpoint is at step {start_step} >= --steps {cfg.steps}")
 
     # ---- sample
-    sample = generate(graphdef, params, data, cfg, jax, jnp, nnx)
+    replicated = NamedSharding(mesh, P())
+    sample = generate(graphdef, params, data, cfg, lambda x: device_batch(np.asarray(x), replicated))
     log("sample:\n" + sample)
 
     # ---- summary
@@ -516,37 +509,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return summary
 
 
-def generate(graphdef, params, data, cfg: Config, jax, jnp, nnx) -> str:
-    """Sample ``cfg.sample_tokens`` tokens after a prompt; returns the decoded text (bytes
-    data) or the token ids. Each step runs the model on a fixed-length window, so one
-    compiled function serves every step (fine for a demo; a KV cache is what a server would use)."""
+def generate(graphdef: nnx.GraphDef, params: nnx.State, data: llm_data.TokenData, cfg: Config,
+             to_device: Any) -> str:
+    """Samples ``cfg.sample_tokens`` tokens after a prompt; returns the decoded text (byte
+    data) or the token ids. Each step runs the model on a fixed-length window, so one compiled
+    function serves every step (fine for a demo; a server would keep a KV cache)."""
     if cfg.sample_tokens == 0:
         return ""
     if cfg.prompt is not None:
-        if not data.is_bytes:
-            raise SystemExit("--prompt needs byte-level data; token files sample from eval tokens")
         prompt = list(cfg.prompt.encode())
-    elif data.is_bytes and data.source == "python stdlib sources":
+    elif data.is_bytes and data.source == llm_data.STDLIB_SOURCE:
         prompt = list(b"def ")
     else:
         prompt = [int(t) for t in data.eval[:16]]
-    prompt = prompt[-cfg.seq_len :] or [0]
+    tokens = prompt[-cfg.seq_len :] or [0]
 
     @jax.jit
-    def next_token(params, window, length, key):
+    def next_token(params, window, length, i):
         logits = nnx.merge(graphdef, params)(window[None])[0, length - 1]
         if cfg.temperature == 0:
             return jnp.argmax(logits).astype(jnp.int32)
+        key = jax.random.fold_in(jax.random.key(cfg.seed + 1), i)
         return jax.random.categorical(key, logits / cfg.temperature).astype(jnp.int32)
 
-    tokens = list(prompt)
-    key = jax.random.key(cfg.seed + 1)
-    for _ in range(cfg.sample_tokens):
+    for i in range(cfg.sample_tokens):
         context = tokens[-cfg.seq_len :]
         window = np.zeros(cfg.seq_len, np.int32)  # padding after the context is never attended
         window[: len(context)] = context
-        key, sub = jax.random.split(key)
-        tokens.append(int(next_token(params, jnp.asarray(window), len(context), sub)))
+        length, step = np.asarray(len(context), np.int32), np.asarray(i, np.int32)
+        tokens.append(int(next_token(params, to_device(window), to_device(length), to_device(step))))
     if data.is_bytes:
         return bytes(tokens).decode("utf-8", errors="replace")
     return " ".join(map(str, tokens))
