@@ -81,8 +81,12 @@ struct BwdTraits {
   static constexpr int kDQChunks = Tile::kDQChunks;
   static constexpr int kHdPass = kHeadDim / kPasses;     // dK/dV columns per pass
   static constexpr int kHdChunk = kHeadDim / kDQChunks;  // dQ columns per chunk (both WGs)
-  static constexpr int kProducerRegs = 32;
+  // setmaxnreg can only move registers within what the CTA got at launch: 384 threads x 168
+  // (the __launch_bounds__(384, 1) cap) = 64512 = 128 x 24 + 256 x 240. Asking for more than
+  // the pool (e.g. 32/240 = 65536) makes the consumers' setmaxnreg.inc wait forever.
+  static constexpr int kProducerRegs = 24;
   static constexpr int kMmaRegs = 240;
+  static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
 
   // ---- shared-memory layouts (physical: row-major tiles, head_dim contiguous)
