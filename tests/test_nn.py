@@ -263,6 +263,11 @@ def test_attention_fn_unbatched_bias_and_top_left_causal():
         want = jax.jit(lambda q, k, v: nnx.dot_product_attention(q, k, v, **kw))(q, k, v)
         got = jax.jit(lambda q, k, v: attention_fn(q, k, v, **kw))(q, k, v)
         assert_close(got, want, name=str(list(kw)))
+    # A (q, k) mask for batched inputs broadcasts over batch and heads.
+    q, k, v = q[None].repeat(2, 0), k[None].repeat(2, 0), v[None].repeat(2, 0)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (5, 7)).at[:, 0].set(True)
+    want = jax.jit(nnx.dot_product_attention)(q, k, v, mask=mask)
+    assert_close(jax.jit(attention_fn)(q, k, v, mask=mask), want, name="2-D mask")
 
 
 def test_attention_fn_handles_or_rejects_every_flax_argument():

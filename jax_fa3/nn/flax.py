@@ -57,6 +57,7 @@ def _flatten_batch(x: jax.Array | None, batch_shape: tuple[int, ...]) -> jax.Arr
     if x is None:
         return None
     x = jnp.asarray(x)
+    x = x.reshape((1,) * (3 - x.ndim) + x.shape)  # (q, k) -> (1, q, k): heads axis first
     lead = x.shape[:-3]
     if len(lead) > len(batch_shape):
         raise ValueError(
