@@ -184,7 +184,7 @@ def test_long_sequence(causal):
 @pytest.mark.parametrize("left,right,hkv", [(UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4)])
 def test_deterministic_bitwise(left, right, hkv):
     d = _first_compiled()
-    q, k, v = helpers.random_qkv(_next_key(), 2, 1000, 1100, 4, hkv, d, jnp.bfloat16)
+    q, k, v = helpers.random_qkv(_next_key(), 1, 700, 800, 4, hkv, d, jnp.bfloat16)
     dout = helpers.random_like(_next_key(), q)
     scale = 1.0 / np.sqrt(d)
     out64, lse64 = helpers.reference_f64(q, k, v, left=left, right=right)
