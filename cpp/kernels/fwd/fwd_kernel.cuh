@@ -221,7 +221,9 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   static_assert(kRows == 2);
 
   OnlineSoftmax<kRows> softmax(p.scale.scale_log2);
-  typename T::PipelineState k_state, v_state;  // consumers start at phase 0
+  // K and V blocks are produced in lockstep (block j sits in stage j % kStages of both rings),
+  // so one read state serves both pipelines.
+  typename T::PipelineState read;  // consumers start at phase 0
   int q_phase = 0;
   bool const softcap = p.scale.softcap;
   float const pre_tanh = p.scale.pre_tanh;
@@ -260,14 +262,13 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
 
       // Last key block first (it may be a boundary block): S, softmax, P.
       int n = n_end - 1;
-      pipe_k.consumer_wait(k_state);
+      pipe_k.consumer_wait(read);
       pingpong_wait();
-      wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
+      wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
       pingpong_signal();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
-      pipe_k.consumer_release(k_state);
-      ++k_state;
+      pipe_k.consumer_release(read);
       if (softcap) apply_softcap(tSrS, pre_tanh);
       if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
         p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
@@ -275,40 +276,52 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       convert_into(tSrS, tOrP);
 
       // Steady state: S_n = Q K_n^T and O += P_{n+1} V_{n+1} in flight together; the softmax
-      // of S_n runs while P V is still computing.
-      for (--n; n >= n_begin; --n) {
-        pipe_k.consumer_wait(k_state);
+      // of S_n runs while P V is still computing. Three loops so that the interior blocks (the
+      // bulk of the work) run a body without any mask code: boundary blocks on the right
+      // (causal diagonal, ragged end of seqlen_k), interior blocks, boundary blocks on the left
+      // (sliding window). Interior blocks form one contiguous range, so this covers every block.
+      auto step = [&](int n, auto masked) __attribute__((always_inline)) {
+        auto read_v = read;  // block n + 1
+        ++read;              // block n
+        pipe_k.consumer_wait(read);
         pingpong_wait();
-        wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, k_state.index()), tSrS);
-        pipe_v.consumer_wait(v_state);
-        wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+        wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        pipe_v.consumer_wait(read_v);
+        wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pingpong_signal();
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
-        pipe_k.consumer_release(k_state);
-        ++k_state;
+        pipe_k.consumer_release(read);
         if (softcap) apply_softcap(tSrS, pre_tanh);
-        if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
-          p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        if constexpr (decltype(masked)::value) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
         softmax.template update<false>(S, alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
-        pipe_v.consumer_release(v_state);
-        ++v_state;
+        pipe_v.consumer_release(read_v);
         scale_rows(O, alpha);
         convert_into(tSrS, tOrP);
-      }
+      };
+      auto interior = [&](int n) {
+        return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
+      };
+      --n;
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; n >= n_begin && !interior(n); --n) step(n, cute::true_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; n >= n_begin && interior(n); --n) step(n, cute::false_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; n >= n_begin; --n) step(n, cute::true_type{});
 
-      pipe_v.consumer_wait(v_state);
+      pipe_v.consumer_wait(read);
       pingpong_wait();
-      wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, v_state.index()), tOrO);
+      wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
       pingpong_signal();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(tOrP);
-      pipe_v.consumer_release(v_state);
-      ++v_state;
+      pipe_v.consumer_release(read);
+      ++read;
     }
 
     // Epilogue: O / l and LSE.

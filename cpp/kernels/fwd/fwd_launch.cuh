@@ -12,30 +12,59 @@
 
 namespace fa3 {
 
-// Tile table: (kBlockM, kBlockN, kStages) per head dim. kBlockM / 64 consumer warpgroups.
+// Tile table per head dim: `full` runs unmasked problems, `banded` problems whose band cuts
+// into the key range (causal, local, shifted). FwdTraits<Element, d, kBlockM, kBlockN, kStages,
+// kPingPong>; kBlockM / 64 consumer warpgroups.
 // Limits that drive it: 227 KB of shared memory (Q tile + kStages x (K + V) blocks); registers
-// per consumer thread (240 with 2 consumer warpgroups, 160 with 3), which must hold the O
-// accumulator (d/2 fp32), S (kBlockN/2 fp32) and P (kBlockN/4 packed) at once.
+// per consumer thread (240 with 2 consumer warpgroups), which must hold the O accumulator
+// (d/2 fp32), S (kBlockN/2 fp32) and P (kBlockN/4 packed) at once, plus S of the next block
+// while P V is in flight (intra-warpgroup overlap).
+// Ping-pong between the two consumer warpgroups pays when the softmax is a large share of a
+// block's time, i.e. for d <= 128; at d = 192/256 the GEMMs dominate and the extra barrier
+// round trips cost more than they hide (FA3 makes the same call).
 template <typename Element, int kHeadDim>
 struct FwdTileTable;
 
-// d = 64: 128 x 128 for now. 192 x 128 (three consumer warpgroups at 160 registers) spilled
-// 48 bytes under the 128-register entry cap of a 512-thread CTA.
+// d = 64: 128 x 128, 2 stages (96 KB). 192 x 128 (three consumer warpgroups at 160 registers)
+// spilled 48 bytes under the 128-register entry cap of a 512-thread CTA.
 template <typename E>
-struct FwdTileTable<E, 64> { using type = FwdTraits<E, 64, 128, 128, 2>; };
-// d = 96: 128 x 128 keeps RS P in registers with room to spare (O 48 + S 64 + P 32); 112 KB.
+struct FwdTileTable<E, 64> {
+  using full = FwdTraits<E, 64, 128, 128, 2, true>;
+  using banded = full;
+};
+// d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 112 KB.
 template <typename E>
-struct FwdTileTable<E, 96> { using type = FwdTraits<E, 96, 128, 128, 2>; };
-// d = 128: 128 x 128, 2 stages: 32 + 2 x 2 x 32 = 160 KB; registers O 64 + S 64 + P 32.
+struct FwdTileTable<E, 96> {
+  using full = FwdTraits<E, 96, 128, 128, 2, true>;
+  using banded = full;
+};
+// d = 128: 128 x 128 (O 64 + S 64 + P 32 registers; 160 KB of smem). 128 x 176 (FA3's
+// choice for unmasked problems) and 128 x 160 spilled 72-164 bytes at 240 registers with this
+// consumer; left for later (cpp/kernels/NOTES.md).
 template <typename E>
-struct FwdTileTable<E, 128> { using type = FwdTraits<E, 128, 128, 128, 2>; };
+struct FwdTileTable<E, 128> {
+  using full = FwdTraits<E, 128, 128, 128, 2, true>;
+  using banded = full;
+};
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
-struct FwdTileTable<E, 192> { using type = FwdTraits<E, 192, 128, 96, 2>; };
+struct FwdTileTable<E, 192> {
+  using full = FwdTraits<E, 192, 128, 96, 2, false>;
+  using banded = full;
+};
 // d = 256: 128 x 80 is what smem allows with 2 stages: 64 + 2 x 2 x 40 = 224 KB; registers
 // O 128 + S 40 + P 20.
 template <typename E>
-struct FwdTileTable<E, 256> { using type = FwdTraits<E, 256, 128, 80, 2>; };
+struct FwdTileTable<E, 256> {
+  using full = FwdTraits<E, 256, 128, 80, 2, false>;
+  using banded = full;
+};
+
+// Whether the band cuts into the key range somewhere (then the work per tile varies).
+inline bool band_limits_work(const FwdParams& fp) {
+  int64_t reach = int64_t(fp.shape.seqlen_q) + fp.shape.seqlen_k;
+  return int64_t(fp.opts.window_left) < reach || int64_t(fp.opts.window_right) < reach;
+}
 
 template <class T>
 typename T::Params make_fwd_params(const FwdParams& fp) {
@@ -52,9 +81,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.v)), k_shape, k_stride);
   Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(fp.out)), q_shape, q_stride);
 
-  // The band limits the work per tile only if one of its sides cuts into the key range.
-  bool varying = (int64_t)fp.opts.window_left < (int64_t)s.seqlen_q + s.seqlen_k ||
-                 (int64_t)fp.opts.window_right < (int64_t)s.seqlen_q + s.seqlen_k;
+  bool varying = band_limits_work(fp);
   StaticTileScheduler sched;
   sched.num_m_blocks = (s.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   sched.num_heads = s.heads_q;
@@ -84,19 +111,29 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   return p;
 }
 
-template <typename Element, int kHeadDim>
-cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
-  using T = typename FwdTileTable<Element, kHeadDim>::type;
+template <class T>
+cudaError_t launch_fwd(const FwdParams& fp, cudaStream_t stream) {
   typename T::Params p = make_fwd_params<T>(fp);
   int num_tiles = p.sched.num_tiles();
   int num_sms = fp.num_sms > 0 ? fp.num_sms : 132;
-  int grid = std::min(num_tiles, num_sms);
+  // Equal tiles: a persistent grid (one CTA per SM walks the tiles). Unequal tiles (band): one
+  // CTA per tile, in longest-first order, so that the hardware hands the next tile to whichever
+  // SM frees up first: a greedy longest-first schedule within 1% of ideal in simulation, where
+  // a static round-robin was 6-50% off (cpp/kernels/NOTES.md).
+  int grid = p.sched.longest_first ? num_tiles : std::min(num_tiles, num_sms);
   auto kernel = fwd_kernel<T>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
       e != cudaSuccess)
     return e;
   kernel<<<grid, T::kNumThreads, T::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
+  using Table = FwdTileTable<Element, kHeadDim>;
+  if (band_limits_work(fp)) return launch_fwd<typename Table::banded>(fp, stream);
+  return launch_fwd<typename Table::full>(fp, stream);
 }
 
 }  // namespace fa3
