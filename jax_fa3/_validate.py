@@ -89,7 +89,8 @@ def static_int(name: str, x) -> int:
     try:
         return operator.index(x)
     except TypeError as err:
-        raise TypeError(f"{name} must be a static Python int, got {type(x).__name__} {x!r}") from err
+        raise TypeError(f"{name} must be a static Python int, got {type(x).__name__} "
+                        f"{x!r}") from err
 
 
 def check_softmax_scale(softmax_scale, head_dim: int) -> float:
