@@ -12,7 +12,7 @@ import functools
 import jax
 
 try:
-    from jax_fa3 import _fa3_cuda
+    import jax_fa3._fa3_cuda as _fa3_cuda
 except ImportError as _err:  # built without CUDA, or the import failed
     _fa3_cuda = None
     _IMPORT_ERROR: str | None = f"{type(_err).__name__}: {_err}"
