@@ -1,13 +1,16 @@
-// Persistent tile scheduler: a grid of at most num_sms CTAs walks the output tiles
-// (m_block, head, batch) with a fixed stride. Static, so it needs no global counter (no
-// workspace, nothing to reset between launches, safe under CUDA graphs).
+// Tile scheduler: maps a linear tile index to (m_block, head, batch). A CTA walks
+// t = blockIdx.x, blockIdx.x + gridDim.x, ... so the same code runs a persistent grid (at most
+// num_sms CTAs, fixed stride) or one CTA per tile. Static: no global counter, so no workspace,
+// nothing to reset between launches, safe under CUDA graphs.
 //
 // Order: with a band mask (causal/local) the work per tile varies with m_block, so tiles go
-// longest-first: the key-range length is monotone in m_block for causal, so the last query
-// blocks (longest) of every head come first and the short ones fill the tail. Without a mask
-// all tiles cost the same and the m_blocks of one head are consecutive, so the CTAs running at
-// the same time share that head's K/V in L2. Query heads of one GQA group are adjacent either
-// way (h is the inner head index).
+// longest-first: the last query blocks (longest key range for causal) of every head in a
+// section come first and the short ones fill the tail. The launcher then starts one CTA per
+// tile, and the hardware hands each next tile to the first SM that frees up: a greedy
+// longest-first schedule (a static round-robin of these tiles was 6-50% off; NOTES.md).
+// Without a mask all tiles cost the same, the grid is persistent, and the m_blocks of one head
+// are consecutive, so the CTAs running at the same time share that head's K/V in L2. Query
+// heads of one GQA group are adjacent either way (the head is the inner index).
 #pragma once
 
 #include "common/utils.cuh"
