@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, optax.global_norm(grads)
+        return optax.apply_updates(params, updates), opt_state, loss, optax.tree.norm(grads)
 
     train_step = jax.jit(train_step, donate_argnums=(0, 1),
                          out_shardings=(param_sharding, opt_sharding, None, None))
