@@ -1,0 +1,73 @@
+// Host check (no GPU) of the backward's register and shared-memory index maps, per head dim:
+// the S^T accumulator re-viewed as the RS-WGMMA A operand of dV/dK holds the same (key, query)
+// elements; dQ/dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the
+// chunk exactly once (postprocess inverse); transposed smem views are true transposes.
+// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//   -I cpp/include -I cpp/kernels -I <cutlass include> layout_check.cu -o /tmp/check && /tmp/check
+#include <cstdio>
+#include <cutlass/numeric_types.h>
+#include "bwd/bwd_main.cuh"
+using namespace cute;
+template <int HD>
+int check() {
+  using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
+  typename Tr::MmaSdP mma_sdp;
+  typename Tr::MmadKV mma_dkv;
+  int bad = 0;
+  for (int ct = 0; ct < 256; ++ct) {
+    auto thr_sdp = mma_sdp.get_thread_slice(ct);
+    auto thr_dkv = mma_dkv.get_thread_slice(ct);
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));  // (key, query)
+    Tensor cA = thr_dkv.partition_A(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));  // (key, query as K)
+    auto frag = make_tensor<float>(partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{}).layout());
+    auto alay = fa3::acc_as_operand_a(frag.layout());
+    if (size(cA) != size(cS)) { printf("size mismatch\n"); return 1; }
+    // A-fragment logical index i lives in register alay(i) of the accumulator; its coordinate as
+    // an accumulator element is cS at the register whose storage offset is alay(i).
+    for (int i = 0; i < size(cA); ++i) {
+      int off = alay(i);
+      // find accumulator logical index with storage offset off
+      int j = -1;
+      for (int jj = 0; jj < size(cS); ++jj) if (frag.layout()(jj) == off) j = jj;
+      auto a = cA(i); auto c = cS(j);
+      if (get<0>(a) != get<0>(c) || get<1>(a) != get<1>(c)) {
+        if (bad < 5) printf("hd %d ct %d i %d: A (%d,%d) vs C (%d,%d)\n", HD, ct, i, (int)get<0>(a), (int)get<1>(a), (int)get<0>(c), (int)get<1>(c));
+        ++bad;
+      }
+    }
+    // dQ fragment and dK/dV coordinates sanity: pairs (2k, 2k+1) adjacent columns.
+    typename Tr::MmadQ mma_dq;
+    Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BM>, Int<Tr::kHdChunk>>{}));
+    for (int i = 0; i < size(cQ); i += 2)
+      if (get<0>(cQ(i)) != get<0>(cQ(i + 1)) || get<1>(cQ(i)) + 1 != get<1>(cQ(i + 1)) || get<1>(cQ(i)) % 2) ++bad;
+    Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<Tr::kHdPass>>{}));
+    for (int i = 0; i < size(cKV); i += 2)
+      if (get<0>(cKV(i)) != get<0>(cKV(i + 1)) || get<1>(cKV(i)) + 1 != get<1>(cKV(i + 1))) ++bad;
+  }
+  // dQ fragments of all threads cover the (BM, kHdChunk) tile exactly once.
+  {
+    typename Tr::MmadQ mma_dq;
+    static int seen[64 * 256];
+    for (int x = 0; x < BM * Tr::kHdChunk; ++x) seen[x] = 0;
+    for (int ct = 0; ct < 256; ++ct) {
+      Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BM>, Int<Tr::kHdChunk>>{}));
+      for (int i = 0; i < size(cQ); ++i) seen[get<0>(cQ(i)) * Tr::kHdChunk + get<1>(cQ(i))]++;
+    }
+    for (int x = 0; x < BM * Tr::kHdChunk; ++x) if (seen[x] != 1) ++bad;
+  }
+  // Transposed smem views: sdSt(n, m) == sdS(m, n); sQt(d, m) == sQ(m, d); sKt(d, n) == sK(n, d).
+  {
+    auto dS = typename Tr::SmemLayoutdS{}; auto dSt = typename Tr::SmemLayoutdSt{};
+    for (int s = 0; s < Tr::kStagesdS; ++s) for (int m = 0; m < BM; ++m) for (int n = 0; n < BN; ++n)
+      if (dS(m, n, s) != dSt(n, m, s)) ++bad;
+    auto Q = typename Tr::SmemLayoutQ{}; auto Qt = typename Tr::SmemLayoutQt{};
+    for (int s = 0; s < Tr::kStages; ++s) for (int m = 0; m < BM; ++m) for (int d = 0; d < HD; ++d)
+      if (Q(m, d, s) != Qt(d, m, s)) ++bad;
+    auto K = typename Tr::SmemLayoutK{}; auto Kt = typename Tr::SmemLayoutKt{};
+    for (int n = 0; n < BN; ++n) for (int d = 0; d < HD; ++d) if (K(n, d) != Kt(d, n)) ++bad;
+  }
+  printf("hd %d: %d bad\n", HD, bad);
+  return bad;
+}
+int main() { return check<64>() + check<96>() + check<128>() + check<192>() + check<256>(); }

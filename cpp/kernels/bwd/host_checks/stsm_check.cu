@@ -1,0 +1,34 @@
+// Host check (no GPU): the stmatrix tiled copy that writes dS^T covers the (keys, queries) tile
+// exactly once in runs of 8 contiguous queries (what stmatrix rows need in the MN-major dS).
+// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
+//   -I cpp/include -I cpp/kernels -I <cutlass include> stsm_check.cu -o /tmp/check && /tmp/check
+#include <cstdio>
+#include <cutlass/numeric_types.h>
+#include "bwd/bwd_main.cuh"
+using namespace cute;
+template <int HD>
+int check() {
+  using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
+  typename Tr::MmaSdP mma_sdp;
+  auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, cutlass::bfloat16_t>{}, mma_sdp);
+  int bad = 0;
+  static int seen[128 * 64];
+  for (int x = 0; x < BN * BM; ++x) seen[x] = 0;
+  for (int ct = 0; ct < 256; ++ct) {
+    auto thr = ds_copy.get_thread_slice(ct);
+    auto cS = mma_sdp.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    auto src = thr.retile_S(cS);  // the accumulator's elements in copy order
+    auto dst = thr.partition_D(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    if (size(src) != size(dst)) { printf("size mismatch %d %d\n", int(size(src)), int(size(dst))); return 1; }
+    // Each group of 8 destination values: one key row, 8 consecutive queries starting at 8k.
+    for (int i = 0; i < size(dst); i += 8)
+      for (int e = 1; e < 8; ++e)
+        if (get<0>(dst(i + e)) != get<0>(dst(i)) || get<1>(dst(i + e)) != get<1>(dst(i)) + e || get<1>(dst(i)) % 8) ++bad;
+    for (int i = 0; i < size(dst); ++i) seen[get<0>(dst(i)) * BM + get<1>(dst(i))]++;
+  }
+  for (int x = 0; x < BN * BM; ++x) if (seen[x] != 1) ++bad;
+  printf("hd %d stsm: %d bad\n", HD, bad);
+  return bad;
+}
+int main() { return check<64>() + check<128>(); }
