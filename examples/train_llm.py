@@ -366,14 +366,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start_step = 0
     latest = mngr.latest_step()
     config_path = os.path.join(ckpt_dir, "model_config.json")
+    # What the parameters' shapes depend on (compute dtype and remat may change on resume).
+    shape_fields = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("dtype", "remat")}
     if cfg.resume:
         if latest is None:
             parser.error(f"--resume: no checkpoint in {ckpt_dir}")
         with open(config_path) as f:
             saved = json.load(f)
-        if saved != dataclasses.asdict(model_cfg):
-            parser.error(f"--resume: the checkpoint in {ckpt_dir} is of another model:\n  saved {saved}\n"
-                         f"  now   {dataclasses.asdict(model_cfg)}")
+        if any(saved.get(k) != v for k, v in shape_fields.items()):
+            parser.error(f"--resume: the checkpoint in {ckpt_dir} is of another model:\n"
+                         f"  saved {saved}\n  now   {shape_fields}")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct,
                               {"params": params, "opt_state": opt_state, "step": np.asarray(0, np.int32)})
         restored = mngr.restore(latest, args=ocp.args.StandardRestore(target))
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if lead:
         os.makedirs(ckpt_dir, exist_ok=True)
         with open(config_path, "w") as f:
-            json.dump(dataclasses.asdict(model_cfg), f)
+            json.dump(shape_fields, f)
 
     def save(step: int) -> None:
         state = {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int32)}
@@ -455,14 +457,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bar.set_postfix(loss=f"{last_loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=mfu,
                             gnorm=f"{float(grad_norm):.2f}", lr=f"{float(schedule(step)):.1e}")
             window_start, window_steps = time.perf_counter(), 0
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            eval_loss = evaluate()
-            record("eval", done, eval_loss)
-            log(f"step {done}: train loss {float(loss):.4f}, eval loss {eval_loss:.4f}")
-            window_start = time.perf_counter()  # eval time is not training time
-        if (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps:
-            save(done)
-            window_start = time.perf_counter()
+        is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+        is_save = (cfg.ckpt_every and done % cfg.ckpt_every == 0) or done == cfg.steps
+        if is_eval or is_save:
+            jax.block_until_ready(loss)  # finish the queued training work before pausing the clock
+            paused = time.perf_counter()
+            if is_eval:
+                eval_loss = evaluate()
+                record("eval", done, eval_loss)
+                log(f"step {done}: train loss {float(loss):.4f}, eval loss {eval_loss:.4f}")
+            if is_save:
+                save(done)
+            window_start += time.perf_counter() - paused  # eval and saving are not training time
     bar.close()
     mngr.wait_until_finished()
     train_s = time.perf_counter() - wall_start
@@ -493,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "tokens_per_s": tok_s,
         "mfu": mfu_value,
         "params": n_params,
-        "train_time_s": train_s,
+        "wall_time_s": train_s,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
         "out_dir": out_dir,
