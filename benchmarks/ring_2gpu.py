@@ -217,7 +217,8 @@ def main(args) -> int:
                     strategies=strategies, implementation=impl or "auto (portable on CPU)",
                     fwd_impl=attention.resolve_implementation(impl, q, k, "fwd"),
                     backward=backward,
-                    bwd_impl=attention.resolve_implementation(impl, q, k, "bwd") if backward else None,
+                    bwd_impl=(attention.resolve_implementation(impl, q, k, "bwd")
+                              if backward else None),
                     bwd_kernel_missing_reason=bwd_reason),
         correctness={}, timings=[])
 
@@ -268,7 +269,8 @@ def main(args) -> int:
             ms = time_ms(run, args.target_ms, args.repeats)
             flops = flops_fwd * (2.5 if direction == "bwd" else 1.0)
             rec = dict(name=name, direction=direction, gpus=gpus, seqlen=length,
-                       ms=float(f"{ms:.4g}"), tflops_per_gpu=float(f"{flops / ms / 1e9 / gpus:.4g}"))
+                       ms=float(f"{ms:.4g}"),
+                       tflops_per_gpu=float(f"{flops / ms / 1e9 / gpus:.4g}"))
             report["timings"].append(rec)
             print(f"  {name:28s} {direction} {gpus} GPU seq {length:7d}: {ms:9.3f} ms "
                   f"{rec['tflops_per_gpu']:7.1f} TFLOP/s per GPU", flush=True)
@@ -310,7 +312,8 @@ def write(args, report) -> None:
              f"{c['heads_kv']}, head dim {c['head_dim']}, {c['dtype']}, causal={c['causal']}, "
              f"layout {c['layout']}; forward {c['fwd_impl']}, backward {c['bwd_impl']}.", "",
              "## Correctness (ring vs one GPU at the full length; float32 oracle on sampled rows)",
-             "", "| strategy | out rel diff | lse abs diff | out err ring / single | dq | dk | dv | pass |",
+             "", "| strategy | out rel diff | lse abs diff | out err ring / single | dq | dk | dv "
+             "| pass |",
              "|---|---|---|---|---|---|---|---|"]
     for s, r in report["correctness"].items():
         g = [f"{r[k]:.2e}" if k in r else "-" for k in ("dq_vs_single_rel", "dk_vs_single_rel",
@@ -323,9 +326,10 @@ def write(args, report) -> None:
               "| run | dir | GPUs | seq | ms | TFLOP/s per GPU | per GPU vs 1 GPU at half length "
               "| speedup vs 1 GPU at full length |", "|---|---|---|---|---|---|---|---|"]
     for r in report["timings"]:
-        lines.append(f"| {r['name']} | {r['direction']} | {r['gpus']} | {r['seqlen']} | {r['ms']} | "
-                     f"{r['tflops_per_gpu']} | {r.get('per_gpu_vs_one_gpu_half_length', '-')} | "
-                     f"{r.get('speedup_vs_one_gpu_full_length', '-')} |")
+        cells = [r["name"], r["direction"], r["gpus"], r["seqlen"], r["ms"], r["tflops_per_gpu"],
+                 r.get("per_gpu_vs_one_gpu_half_length", "-"),
+                 r.get("speedup_vs_one_gpu_full_length", "-")]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / stem}.json and .md", flush=True)
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+from jax_fa3 import _validate
 from jax_fa3._masks import UNBOUNDED, band
 
 STRATEGIES = ("ring", "allgather")
@@ -339,7 +340,7 @@ def ring_attention_fwd(q, k, v, cfg: RingConfig):
         def step(carry, t):
             k, v, acc = carry
             # Issue the next block's transfer before this block's compute: they overlap.
-            k_next, v_next = lax.ppermute(k, cfg.axis_name, perm), lax.ppermute(v, cfg.axis_name, perm)
+            k_next, v_next = (lax.ppermute(x, cfg.axis_name, perm) for x in (k, v))
             acc = _switch(cfg.axis_name, plans[:-1], run, (acc, q, k, v), t)
             return (k_next, v_next, acc), None
 
@@ -382,10 +383,10 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
 
         def step(carry, t):
             k, v, dq, dk, dv = carry
-            k_next, v_next = lax.ppermute(k, cfg.axis_name, perm), lax.ppermute(v, cfg.axis_name, perm)
+            k_next, v_next = (lax.ppermute(x, cfg.axis_name, perm) for x in (k, v))
             dq, dk, dv = compute(k, v, (dq, dk, dv), plans[:-1], t)
             # The float32 dK/dV accumulators follow their block around the ring.
-            dk, dv = lax.ppermute(dk, cfg.axis_name, perm), lax.ppermute(dv, cfg.axis_name, perm)
+            dk, dv = (lax.ppermute(x, cfg.axis_name, perm) for x in (dk, dv))
             return (k_next, v_next, dq, dk, dv), None
 
         dq, dk, dv = (_varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
@@ -395,27 +396,17 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
             (k, v, dq, dk, dv), _ = lax.scan(step, (k, v, dq, dk, dv), jnp.arange(n - 1))
         dq, dk, dv = compute(k, v, (dq, dk, dv), plans[-1:])
         # Device r now holds the accumulators of block r + 1: one more hop takes them home.
-        dk, dv = lax.ppermute(dk, cfg.axis_name, perm), lax.ppermute(dv, cfg.axis_name, perm)
+        dk, dv = (lax.ppermute(x, cfg.axis_name, perm) for x in (dk, dv))
         k, v = k_own, v_own
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # ----------------------------------------------------------------------------- public entry
 
-def _validate(q, k, v, axis_name, strategy, layout, n):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"ring_attention: {name} must be (batch, seq_local, heads, head_dim), "
-                             f"got shape {x.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"ring_attention: k and v must have the same shape, got {k.shape} and {v.shape}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"ring_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"ring_attention: batch and head_dim of q {q.shape} and k {k.shape} differ")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"ring_attention: heads of q ({q.shape[2]}) must be a multiple of the "
-                         f"heads of k/v ({k.shape[2]})")
+def _check_inputs(q, k, v, strategy, layout):
+    """Shapes, dtypes and options of ring_attention (q, k, v checks shared with the public
+    API); errors name the argument and what was expected."""
+    _validate.check_qkv(q, k, v)
     if strategy not in STRATEGIES:
         raise ValueError(f"ring_attention: strategy must be one of {STRATEGIES}, got {strategy!r}")
     if layout not in LAYOUTS:
@@ -438,14 +429,14 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1,
     array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
     seq_q_local) float32 when `return_lse`); differentiable in q, k, v, through out and lse.
     """
-    n = lax.axis_size(axis_name)
-    _validate(q, k, v, axis_name, strategy, layout, n)
-    left, right = band(causal, tuple(window_size))
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    _check_inputs(q, k, v, strategy, layout)
+    left, right = band(_validate.check_bool("causal", causal), _validate.check_window(window_size))
     cfg = RingConfig(axis_name=axis_name if isinstance(axis_name, str) else tuple(axis_name),
-                     softmax_scale=scale, softcap=float(softcap), left=left, right=right,
-                     strategy=strategy, layout=layout, deterministic=bool(deterministic),
-                     implementation=implementation)
+                     softmax_scale=_validate.check_softmax_scale(softmax_scale, q.shape[-1]),
+                     softcap=_validate.check_softcap(softcap), left=left, right=right,
+                     strategy=strategy, layout=layout,
+                     deterministic=_validate.check_bool("deterministic", deterministic),
+                     implementation=_validate.check_implementation(implementation))
     out, lse = _ring(q, k, v, cfg)
     return (out, lse) if return_lse else out
 

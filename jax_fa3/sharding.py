@@ -161,20 +161,22 @@ def _local_fwd(opts: _Options, plan: AttentionShardings, q, k, v):
                          left=opts.left, right=opts.right, implementation=opts.implementation)
 
 
-def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout):
-    """Per-device backward; dK/dV partials are summed over devices sharing a kv head."""
+def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout, dlse=None):
+    """Per-device backward (dlse: optional LSE cotangent, sharded like lse); dK/dV partials
+    are summed over devices sharing a kv head."""
     k_all, v_all = k, v
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
-        dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts.ring(plan.seq))
+        dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts.ring(plan.seq),
+                                             dlse=dlse)
     else:
         _, attention_bwd = ring._local_ops()
         dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
                                    softcap=opts.softcap, left=opts.left, right=opts.right,
                                    deterministic=opts.deterministic,
-                                   implementation=opts.implementation)
+                                   implementation=opts.implementation, dlse=dlse)
     if plan.kv_shared:
         def gather(d, full):  # put this device's kv-head gradient in place, sum over sharers
             d = lax.dynamic_update_slice_in_dim(jnp.zeros(full.shape, jnp.float32),
@@ -186,7 +188,7 @@ def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout
 
 # ----------------------------------------------------------------------------- custom_partitioning
 
-def _sharding_rule(q_shape, k_shape, backward: bool) -> tuple[str, dict]:
+def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False) -> tuple[str, dict]:
     """Shardy rule: batch b, seq s (t for keys if the lengths differ), query heads h, kv heads
     k, head_dim d never sharded.
 
@@ -198,7 +200,8 @@ def _sharding_rule(q_shape, k_shape, backward: bool) -> tuple[str, dict]:
     t = "s" if q_shape[1] == k_shape[1] else "t"
     q, kv, lse = "b s h d", f"b {t} {hk} d", "b h s"
     if backward:
-        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q} -> {q}, {kv}, {kv}"
+        dlse = f", {lse}" if with_dlse else ""
+        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q}{dlse} -> {q}, {kv}, {kv}"
     else:
         rule = f"{q}, {kv}, {kv} -> {q}, {lse}"
     return rule, dict(need_replication_factors=("d",))
@@ -244,12 +247,13 @@ def _cp_fwd(opts: _Options, q_shape, k_shape):
     return op
 
 
-def _cp_bwd(opts: _Options, q_shape, k_shape):
-    """custom_partitioning backward for one set of static options."""
+def _cp_bwd(opts: _Options, q_shape, k_shape, with_dlse: bool):
+    """custom_partitioning backward for one set of static options (operands q, k, v, out,
+    lse, dout and, when with_dlse, the LSE cotangent)."""
 
     @custom_partitioning
-    def op(q, k, v, out, lse, dout):
-        return _local_bwd(opts, AttentionShardings(), q, k, v, out, lse, dout)
+    def op(*args):
+        return _local_bwd(opts, AttentionShardings(), *args)
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
@@ -259,11 +263,16 @@ def _cp_bwd(opts: _Options, q_shape, k_shape):
         plan = _callback_plan(mesh, arg_shapes)
         lower = lambda *args: _local_bwd(opts, plan, *args)
         return (mesh, lower, _named(mesh, (plan.q, plan.kv, plan.kv)),
-                _named(mesh, (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q)))
+                _named(mesh, _bwd_in_specs(plan, with_dlse)))
 
-    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True)
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True, with_dlse=with_dlse)
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
+
+
+def _bwd_in_specs(plan: AttentionShardings, with_dlse: bool):
+    """Specs of (q, k, v, out, lse, dout[, dlse])."""
+    return (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q) + ((plan.lse,) if with_dlse else ())
 
 
 # ----------------------------------------------------------------------------- explicit axes
@@ -302,26 +311,28 @@ def partitioned_attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, 
         body = lambda plan, q, k, v: _local_fwd(opts, plan, q, k, v)
         return _shard_map_call(mesh, body, plan, (q, k, v), (plan.q, plan.kv, plan.kv),
                                (plan.q, plan.lse))
-    op = jax.custom_batching.custom_vmap(lambda q, k, v: tuple(_cp_fwd(opts, q.shape, k.shape)(q, k, v)))
+    op = jax.custom_batching.custom_vmap(
+        lambda q, k, v: tuple(_cp_fwd(opts, q.shape, k.shape)(q, k, v)))
     return _fold_batch_rule(op)(q, k, v)
 
 
 def partitioned_attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float,
                               left: int, right: int, deterministic: bool = False,
-                              implementation=None):
+                              implementation=None, dlse=None):
     """`jax_fa3.attention.attention_bwd` that partitions as one local call per device."""
     opts = _Options(float(softmax_scale), float(softcap), int(left), int(right), implementation,
                     bool(deterministic))
+    args = (q, k, v, out, lse, dout) + ((dlse,) if dlse is not None else ())
+    with_dlse = dlse is not None
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
         body = lambda plan, *xs: _local_bwd(opts, plan, *xs)
-        return _shard_map_call(mesh, body, plan, (q, k, v, out, lse, dout),
-                               (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q),
+        return _shard_map_call(mesh, body, plan, args, _bwd_in_specs(plan, with_dlse),
                                (plan.q, plan.kv, plan.kv))
     op = jax.custom_batching.custom_vmap(
-        lambda *xs: tuple(_cp_bwd(opts, xs[0].shape, xs[1].shape)(*xs)))
-    return _fold_batch_rule(op)(q, k, v, out, lse, dout)
+        lambda *xs: tuple(_cp_bwd(opts, xs[0].shape, xs[1].shape, with_dlse)(*xs)))
+    return _fold_batch_rule(op)(*args)
 
 
 def sequence_axes(x) -> Axes:

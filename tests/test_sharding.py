@@ -97,12 +97,15 @@ def test_plan_shardings():
 
 def test_sharding_rule_strings():
     rule = sharding._sharding_rule
-    assert rule((1, 8, 4, 8), (1, 8, 4, 8), False)[0] == "b s h d, b s h d, b s h d -> b s h d, b h s"
+    mha = rule((1, 8, 4, 8), (1, 8, 4, 8), False)[0]
+    assert mha == "b s h d, b s h d, b s h d -> b s h d, b h s"
     fwd, kw = rule((1, 8, 8, 8), (1, 16, 2, 8), False)
     assert fwd == "b s h d, b t k d, b t k d -> b s h d, b h s"
     assert kw == {"need_replication_factors": ("d",)}
     bwd = rule((1, 8, 8, 8), (1, 8, 2, 8), True)[0]
     assert bwd.split(" -> ")[1] == "b s h d, b s k d, b s k d"
+    with_dlse = rule((1, 8, 8, 8), (1, 8, 2, 8), True, with_dlse=True)[0]
+    assert with_dlse.split(" -> ")[0].endswith("b s h d, b h s, b s h d, b h s")
 
 
 # ----------------------------------------------------------------------------- partitioned calls
@@ -133,15 +136,17 @@ def _opts(causal, **kw):
                 implementation=None)
 
 
-def _fwd_bwd(f_fwd, f_bwd, q, k, v, dout, opts):
+def _fwd_bwd(f_fwd, f_bwd, q, k, v, dout, opts, dlse=None):
+    """(out, lse, dq, dk, dv) and the jitted forward and backward."""
     fwd = jax.jit(lambda q, k, v: f_fwd(q, k, v, **opts))
-    bwd = jax.jit(lambda *a: f_bwd(*a, deterministic=False, **opts))
+    bwd = jax.jit(lambda *a, dlse=None: f_bwd(*a, deterministic=False, dlse=dlse, **opts))
     out, lse = fwd(q, k, v)
-    return (out, lse) + tuple(bwd(q, k, v, out, lse, dout)), fwd, bwd
+    return (out, lse) + tuple(bwd(q, k, v, out, lse, dout, dlse=dlse)), fwd, bwd
 
 
-def _unsharded(q, k, v, dout, opts):
-    return _fwd_bwd(attention.attention_fwd, attention.attention_bwd, q, k, v, dout, opts)[0]
+def _unsharded(q, k, v, dout, opts, dlse=None):
+    return _fwd_bwd(attention.attention_fwd, attention.attention_bwd, q, k, v, dout, opts,
+                    dlse)[0]
 
 
 def _put(mesh, spec, *xs):
@@ -165,21 +170,23 @@ def _same_spec(got, want):
 @pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("name", list(MESHES))
 def test_partitioned_equals_unsharded(name, types):
-    """out, lse, dq, dk, dv equal the single-device call; outputs carry the query's sharding
-    (lse (b, h, s) the matching one, dk/dv the planned kv sharding)."""
+    """out, lse, dq, dk, dv (with an LSE cotangent) equal the single-device call; outputs
+    carry the query's sharding (lse (b, h, s) the matching one, dk/dv the planned one)."""
     shape, names, spec, hq, hkv, causal = MESHES[name]
     mesh = _mesh(shape, names, types)
     q, k, v, dout = _inputs(8, 16, hq, hkv)
+    dlse = jax.random.normal(jax.random.key(5), (8, hq, 16), jnp.float32)  # an LSE cotangent
     opts = _opts(causal)
-    want = _unsharded(q, k, v, dout, opts)
+    want = _unsharded(q, k, v, dout, opts, dlse)
     kv_spec = _kv_input_spec(mesh, spec, hkv)
     qs, dos = _put(mesh, spec, q, dout)
     ks, vs = _put(mesh, kv_spec, k, v)
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
+    (dlses,) = _put(mesh, plan.lse, dlse)
     got, _, _ = _fwd_bwd(sharding.partitioned_attention_fwd, sharding.partitioned_attention_bwd,
-                         qs, ks, vs, dos, opts)
+                         qs, ks, vs, dos, opts, dlses)
     for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {label}")
-    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
     out, lse, dq, dk, dv = got
     assert _same_spec(out.sharding.spec, spec) and _same_spec(dq.sharding.spec, spec)
     assert _same_spec(lse.sharding.spec, plan.lse), lse.sharding.spec
