@@ -6,8 +6,8 @@
 #    wheel or $CUTLASS_DIR), 3. summarises the SASS (HGMMA count, local-memory spills),
 #    4. runs `pytest -m gpu`, 5. runs the side-by-side benchmark.
 # Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
-# PYTEST_ARGS (default "-m gpu"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
-# SKIP_TESTS=1, SKIP_BENCH=1. Leaves at most 7 files in OUT_DIR (the device tool returns 8).
+# PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
+# SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there). Leaves at most 7 files in OUT_DIR (the device tool returns 8).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_cycle.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -41,14 +41,16 @@ echo "built in $(( $(date +%s) - t0 )) s"
 cat "$OUT/info.txt" | head -60
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  echo "== pytest ${PYTEST_ARGS:--m gpu}"
-  python3 -P -m pytest ${PYTEST_ARGS:--m gpu} -q -x --no-header -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
+  echo "== pytest ${PYTEST_ARGS:--m gpu tests}"
+  timeout "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -q --no-header -p no:cacheprovider \
+    2>&1 | tee "$OUT/pytest_gpu.log" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== benchmark ${BENCH_ARGS:-}"
-  python3 -P benchmarks/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout "${BENCH_TIMEOUT:-400}" python3 -P benchmarks/bench_attention.py --out "$OUT" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | tail -60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status
