@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fa3 import _ffi, _masks, _validate, portable
+from jax_fa3 import _ffi, _masks, _validate, portable, sharding
 from jax_fa3._masks import UNBOUNDED
 
 __all__ = [
@@ -138,9 +138,10 @@ def _unwrap(x):
 
 
 def _forward(q, k, v, kv_lengths, cfg: _Config):
-    if kv_lengths is None:
-        return attention_fwd(q, k, v, softmax_scale=cfg.softmax_scale, softcap=cfg.softcap,
-                             left=cfg.left, right=cfg.right, implementation=cfg.fwd_impl)
+    if kv_lengths is None:  # sharded inputs: one local call per device, a ring if seq-sharded
+        return sharding.partitioned_attention_fwd(
+            q, k, v, softmax_scale=cfg.softmax_scale, softcap=cfg.softcap, left=cfg.left,
+            right=cfg.right, implementation=cfg.fwd_impl)
     return portable.forward(q, k, v, softmax_scale=cfg.softmax_scale, softcap=cfg.softcap,
                             left=cfg.left, right=cfg.right, kv_lengths=kv_lengths)
 
@@ -165,9 +166,11 @@ def _attention_bwd_rule(cfg, residuals, cotangents):
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
     opts = dict(softmax_scale=cfg.softmax_scale, softcap=cfg.softcap, left=cfg.left,
                 right=cfg.right)
-    if cfg.fwd_impl == "cuda" and kv_lengths is None:
-        dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, deterministic=cfg.deterministic,
-                                   implementation=cfg.bwd_impl, dlse=dlse, **opts)
+    if kv_lengths is None:  # attention_bwd per device (see jax_fa3/sharding.py)
+        impl = cfg.bwd_impl if cfg.fwd_impl == "cuda" else "xla"
+        dq, dk, dv = sharding.partitioned_attention_bwd(
+            q, k, v, out, lse, dout, deterministic=cfg.deterministic, implementation=impl,
+            dlse=dlse, **opts)
     else:
         dq, dk, dv = portable.backward(q, k, v, out, lse, dout, kv_lengths=kv_lengths,
                                        dlse=dlse, **opts)

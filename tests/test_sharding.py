@@ -290,3 +290,28 @@ def test_flash_attention_under_sharded_jit():
     assert _same_spec(out.sharding.spec, spec) and _same_spec(dq.sharding.spec, spec)
     for a, r in zip((out, dq, dk, dv), (rout, rq, rk, rv)):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_flash_attention_sequence_sharded_runs_the_ring(types):
+    """flash_attention on (batch, seq)-sharded inputs routes to ring attention (the hook in
+    jax_fa3/attention.py): only collective-permutes in the compiled grad, no all-gather of
+    q/k/v, results and gradient shardings as unsharded / as the inputs."""
+    mesh = _mesh((2, 2), ("data", "sp"), types)
+    spec = P("data", "sp")
+    q, k, v, _ = _inputs(2, 32, 4, 2)
+
+    def loss(q, k, v):
+        out = attention.flash_attention(q, k, v, causal=True, window_size=(9, -1))
+        return jnp.sum(out ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    qs, ks, vs = _put(mesh, spec, q, k, v)
+    text = grad.lower(qs, ks, vs).compile().as_text()
+    assert "collective-permute" in _collectives(text) and "all-gather" not in _collectives(text)
+    value, grads = grad(qs, ks, vs)
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        assert _same_spec(g.sharding.spec, spec)
