@@ -42,6 +42,9 @@ from jax.custom_derivatives import SymbolicZero
 from jax_fa3 import _validate
 from jax_fa3._masks import UNBOUNDED, band
 
+__all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
+           "ring_attention_fwd", "ring_attention_bwd", "RingConfig", "STRATEGIES", "LAYOUTS"]
+
 STRATEGIES = ("ring", "allgather")
 LAYOUTS = ("contiguous", "zigzag")
 

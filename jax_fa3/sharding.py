@@ -11,6 +11,11 @@ when the inputs are sharded under `jax.jit`:
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
     that mesh axis.
 
+`jax_fa3.flash_attention` calls these two (jax_fa3/attention.py), so the public API partitions
+this way under jit. The automatic sequence route keeps the natural token order, so a causal
+mask loads the last device most; for balanced causal work, permute tokens with
+`jax_fa3.ring.zigzag_permute` and call `context_parallel_attention(..., layout="zigzag")`.
+
 How: with mesh axes of type Auto (and no sharding in the types) through
 `jax.experimental.custom_partitioning` with a Shardy `sharding_rule` plus the GSPMD callbacks;
 with Explicit axes the shardings are known while tracing, so the same plan runs in a
@@ -37,6 +42,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_fa3 import ring
 from jax_fa3._ops import _fold_batch_rule
+
+__all__ = ["context_parallel_attention", "partitioned_attention_fwd", "partitioned_attention_bwd",
+           "plan_shardings", "AttentionShardings"]
 
 Axes = tuple  # a tuple of mesh axis names sharding one array dimension
 
@@ -333,16 +341,6 @@ def partitioned_attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, 
     op = jax.custom_batching.custom_vmap(
         lambda *xs: tuple(_cp_bwd(opts, xs[0].shape, xs[1].shape, with_dlse)(*xs)))
     return _fold_batch_rule(op)(*args)
-
-
-def sequence_axes(x) -> Axes:
-    """Mesh axes sharding the sequence (dim 1) of x, when known while tracing (Explicit
-    axes, or a concrete array); () otherwise."""
-    sharding = getattr(x, "sharding", None) if not isinstance(x, jax.core.Tracer) else None
-    if sharding is None:
-        sharding = jax.typeof(x).sharding
-    spec = tuple(getattr(sharding, "spec", ())) + (None,) * 4
-    return _axes(spec[1])
 
 
 def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
