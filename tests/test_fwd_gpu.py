@@ -87,8 +87,10 @@ def test_head_dims(d, dtype, causal, sq, sk):
 SEQLENS = (1, 17, 127, 128, 129, 1000)
 
 
+# 176 and 353: the unmasked d=128 tile is 128 x 176 (exact and ragged key blocks).
 @pytest.mark.parametrize("sq,sk", [(s, s) for s in SEQLENS] + [(1, 1000), (1000, 1), (129, 17),
-                                                                 (127, 1000), (1000, 129)])
+                                                                 (127, 1000), (1000, 129),
+                                                                 (176, 176), (300, 353)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_seqlens(sq, sk, causal):
     left, right = _masks.band(causal, (-1, -1))
