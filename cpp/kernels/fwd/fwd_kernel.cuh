@@ -32,7 +32,7 @@
 namespace fa3 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kPingPong_ = false, bool kBanded_ = true>
+          bool kPingPong_ = false>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,9 +40,6 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kPingPong = kPingPong_;
-  // false: the caller guarantees the band does not cut into the key range (both sides reach
-  // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
-  static constexpr bool kBanded = kBanded_;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
@@ -231,20 +228,12 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   bool const softcap = p.scale.softcap;
   float const pre_tanh = p.scale.pre_tanh;
 
-  // Ping-pong: warpgroup wg may issue its GEMMs once the other one has issued its own. The
-  // branch on wg lets the barrier ids be immediates (a register id stayed live across the
-  // main loop and was spilled).
+  // Ping-pong: warpgroup wg may issue its GEMMs once the other one has issued its own.
   auto pingpong_wait = [&]() {
-    if constexpr (T::kPingPong) {
-      if (wg == 0) NamedBarrier::sync(2 * 128, T::kBarPingPong + 0);
-      else NamedBarrier::sync(2 * 128, T::kBarPingPong + 1);
-    }
+    if constexpr (T::kPingPong) NamedBarrier::sync(2 * 128, T::kBarPingPong + wg);
   };
   auto pingpong_signal = [&]() {
-    if constexpr (T::kPingPong) {
-      if (wg == 0) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 1);
-      else NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
-    }
+    if constexpr (T::kPingPong) NamedBarrier::arrive(2 * 128, T::kBarPingPong + (1 - wg));
   };
 
   // Warpgroup 0 issues first: give it the turn that warpgroup 1 would otherwise hand over.
@@ -271,11 +260,6 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     if (n_begin < n_end) {
       float alpha[kRows];
 
-      auto apply_mask = [&](int n) __attribute__((always_inline)) {
-        if constexpr (T::kBanded) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
-        else p.mask.apply_seqlen_k(S, cS, n * T::kBlockN);
-      };
-
       // Last key block first (it may be a boundary block): S, softmax, P.
       int n = n_end - 1;
       pipe_k.consumer_wait(read);
@@ -287,7 +271,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       pipe_k.consumer_release(read);
       if (softcap) apply_softcap(tSrS, pre_tanh);
       if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
-        apply_mask(n);
+        p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
       softmax.template update<true>(S, alpha);
       convert_into(tSrS, tOrP);
 
@@ -309,7 +293,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(read);
         if (softcap) apply_softcap(tSrS, pre_tanh);
-        if constexpr (decltype(masked)::value) apply_mask(n);
+        if constexpr (decltype(masked)::value) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
         softmax.template update<false>(S, alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);

@@ -14,8 +14,7 @@ namespace fa3 {
 
 // Tile table per head dim: `full` runs unmasked problems, `banded` problems whose band cuts
 // into the key range (causal, local, shifted). FwdTraits<Element, d, kBlockM, kBlockN, kStages,
-// kPingPong, kBanded>; kBlockM / 64 consumer warpgroups; a `full` type may set kBanded = false
-// (only the seqlen_k mask compiled in), a `banded` one must not.
+// kPingPong>; kBlockM / 64 consumer warpgroups.
 // Limits that drive it: 227 KB of shared memory (Q tile + kStages x (K + V) blocks); registers
 // per consumer thread (240 with 2 consumer warpgroups), which must hold the O accumulator
 // (d/2 fp32), S (kBlockN/2 fp32) and P (kBlockN/4 packed) at once, plus S of the next block
@@ -26,9 +25,8 @@ namespace fa3 {
 template <typename Element, int kHeadDim>
 struct FwdTileTable;
 
-// d = 64: 128 x 128, 2 stages (96 KB). FA3 runs 192 x 128 (three consumer warpgroups at 160
-// registers); here that compiles without spills only unbanded (FwdTraits<E, 64, 192, 128, 2,
-// false, false>: R151 max, no LDL/STL) and has not run on a GPU yet, so it is not enabled.
+// d = 64: 128 x 128, 2 stages (96 KB). 192 x 128 (three consumer warpgroups at 160 registers)
+// spilled 48 bytes under the 128-register entry cap of a 512-thread CTA.
 template <typename E>
 struct FwdTileTable<E, 64> {
   using full = FwdTraits<E, 64, 128, 128, 2, true>;
@@ -40,14 +38,13 @@ struct FwdTileTable<E, 96> {
   using full = FwdTraits<E, 96, 128, 128, 2, true>;
   using banded = full;
 };
-// d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
-// smem; O 64 + S 88 + P 44 registers). It fits 240 registers without spills only with the
-// seqlen_k-only mask (kBanded = false: 56-120 bytes spilled with the band mask). Banded
-// problems: 128 x 128 (square tiles waste least on the causal diagonal; 160 KB).
+// d = 128: 128 x 128 (O 64 + S 64 + P 32 registers; 160 KB of smem). 128 x 176 (FA3's
+// choice for unmasked problems) and 128 x 160 spilled 72-164 bytes at 240 registers with this
+// consumer; left for later (cpp/kernels/NOTES.md).
 template <typename E>
 struct FwdTileTable<E, 128> {
-  using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
+  using full = FwdTraits<E, 128, 128, 128, 2, true>;
+  using banded = full;
 };
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
