@@ -183,7 +183,8 @@ def markdown(records: list[dict], header: str) -> str:
         suspect = {r["impl"] for r in records if r.get("suspect")
                    and (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
         row += [f"{by[i]:.1f}{' (wrong result)' if i in suspect else ''}" if i in by else "-" for i in impls]
-        row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by else "-" for p in peers]
+        row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by
+                and not suspect & {"jax_fa3", p} else "-" for p in peers]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
@@ -212,6 +213,15 @@ def plot(records: list[dict], path: Path) -> None:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def rerender(json_path: Path) -> None:
+    """Rewrite the markdown table and the plot of a results JSON (after a change here)."""
+    data = json.loads(json_path.read_text())
+    md = json_path.with_suffix(".md")
+    header = md.read_text().splitlines()[0] if md.exists() else f"# {json_path.stem}"
+    md.write_text(markdown(data["records"], header))
+    plot(data["records"], json_path.with_suffix(".png"))
 
 
 def main(argv=None) -> int:
