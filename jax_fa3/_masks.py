@@ -20,3 +20,7 @@ def band(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
         right = min(right, 0)
     return left, right
 
+
+def is_full_or_causal(left: int, right: int) -> bool:
+    """True for the unmasked band and the plain causal band (no finite window)."""
+    return left >= UNBOUNDED and right in (UNBOUNDED, 0)

@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from jax_fa3._masks import UNBOUNDED
+from jax_fa3._vma import varying_like
 
 DEFAULT_BLOCK_K = 128
 
@@ -131,6 +132,7 @@ def forward(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = 
 
     init = (jnp.full((b, hkv, g, sq), -jnp.inf, acc), jnp.zeros((b, hkv, g, sq), acc),
             jnp.zeros((b, hkv, g, sq, d), acc))
+    init = tuple(varying_like(x, q, k, v) for x in init)  # inside shard_map with check_vma
     kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
     (m, l, o), _ = lax.scan(step, init, (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk),
                                          kstarts))
@@ -185,7 +187,8 @@ def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 
         return dq, (dk, dv)
 
     kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
-    dq, (dk, dv) = lax.scan(step, jnp.zeros(qg.shape, acc),
+    dq0 = varying_like(jnp.zeros(qg.shape, acc), q, k, v, out, lse, dout)
+    dq, (dk, dv) = lax.scan(step, dq0,
                             (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk), kstarts))
 
     def unblock(x, like):  # (n, b, bk, hkv, d) -> (b, sk, hkv, d), zeros outside [start, stop)

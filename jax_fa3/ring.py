@@ -40,6 +40,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fa3 import _validate
+from jax_fa3._vma import varying_like
 from jax_fa3._masks import UNBOUNDED, band
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
@@ -224,25 +225,6 @@ def _local_ops():
     return attention.attention_fwd, attention.attention_bwd
 
 
-def _vma(x) -> frozenset:
-    """Manual mesh axes over which x varies (empty outside shard_map or with check_vma off).
-    JAX 0.10 calls it manual_axis_type.varying, JAX 0.7-0.9 `vma`."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
-
-
-def _varying_like(x, *refs):
-    """x marked as varying over the manual mesh axes the refs vary over (inside a shard_map
-    with check_vma, zeros-initialised carries must match the type of what updates them)."""
-    axes = tuple(sorted(frozenset().union(*map(_vma, refs)) - _vma(x), key=str))
-    if not axes:
-        return x
-    if hasattr(lax, "pcast"):
-        return lax.pcast(x, axes, to="varying")
-    return lax.pvary(x, axes)  # JAX < 0.8
-
-
 def _lse_weights(lse):
     """(b, h, s) -> (b, s, h, 1), to scale an (b, s, h, d) output."""
     return jnp.swapaxes(lse, 1, 2)[..., None]
@@ -326,7 +308,7 @@ def ring_attention_fwd(q, k, v, cfg: RingConfig):
     sq, sk = q.shape[1], k.shape[1]
     b, _, hq, d = q.shape
     acc = (jnp.zeros((b, sq, hq, d), jnp.float32), jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
-    acc = tuple(_varying_like(a, q, k, v) for a in acc)
+    acc = tuple(varying_like(a, q, k, v) for a in acc)
 
     def run(calls, acc, q, k, v):
         return _fwd_calls(calls, cfg, q, k, v, acc)
@@ -369,7 +351,7 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
         kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
         vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
         acc = (jnp.zeros(q.shape, f32), jnp.zeros(kf.shape, f32), jnp.zeros(vf.shape, f32))
-        acc = tuple(_varying_like(a, q, k, v, out, lse, dout) for a in acc)
+        acc = tuple(varying_like(a, q, k, v, out, lse, dout) for a in acc)
         plans = [allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)]
         dq, dk, dv = _switch(cfg.axis_name, plans, run, (acc, q, kf, vf, out, lse, dout))
         # Every device holds partial dK/dV for the whole sequence: sum them onto the owners.
@@ -392,7 +374,7 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
             dk, dv = (lax.ppermute(x, cfg.axis_name, perm) for x in (dk, dv))
             return (k_next, v_next, dq, dk, dv), None
 
-        dq, dk, dv = (_varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
+        dq, dk, dv = (varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
                       for x in (q, k, v))
         k_own, v_own = k, v
         if n > 1:

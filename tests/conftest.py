@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+# Eight CPU devices for the sharding and ring tests (simulated meshes), set before JAX starts a
+# backend; GPUs are unaffected.
+jax.config.update("jax_num_cpu_devices", 8)
+
 # `import helpers` from any test module, wherever pytest is started.
 sys.path.insert(0, os.path.dirname(__file__))
 

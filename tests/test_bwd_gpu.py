@@ -187,7 +187,13 @@ def test_long_sequence(causal):
     _check(1, 4097, 4097, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB, oracle="f32")
 
 
-@pytest.mark.parametrize("left,right,hkv", [(UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4)])
+@pytest.mark.parametrize("left,right,hkv", [
+    (UNB, UNB, 4), (UNB, 0, 2),
+    # Not yet run on the GPU: the 2026-11-30 run's time limit ended during this case. The public
+    # API sends deterministic windowed backwards to the portable path until it has passed.
+    pytest.param(100, 50, 4, marks=pytest.mark.xfail(
+        reason="deterministic windowed backward not yet verified on the H200", strict=False)),
+])
 def test_deterministic_bitwise(left, right, hkv):
     d = _first_compiled()
     q, k, v = helpers.random_qkv(_next_key(), 1, 700, 800, 4, hkv, d, jnp.bfloat16)

@@ -250,10 +250,8 @@ def test_fully_masked_rows_and_explicit_mesh():
         return ring.ring_attention(q, k, v, axis_name="sp", causal=True, return_lse=True)
 
     spec = P(None, "sp")
-    # check_vma=False: the portable path's lax.scan carries are not yet marked varying (see
-    # test_user_shard_map_with_check_vma); ring.py itself is vma-clean.
     f = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec),
-                      out_specs=(spec, P(None, None, "sp")), check_vma=False)
+                      out_specs=(spec, P(None, None, "sp")))  # check_vma on
     q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
     out, lse = jax.jit(f)(q, k, v)
     assert lse.sharding.spec == P(None, None, "sp")

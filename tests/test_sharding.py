@@ -257,8 +257,7 @@ def test_inside_shard_map_and_vmap():
     opts = _opts(True)
     spec = P(None, None, "model")
     f = jax.shard_map(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts),
-                      mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P(None, "model")),
-                      check_vma=False)  # the portable path's scan carries are not vma-typed yet
+                      mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P(None, "model")))
     out, lse = jax.jit(f)(q, k, v)
     want_out, want_lse = attention.attention_fwd(q, k, v, **opts)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
@@ -315,3 +314,26 @@ def test_flash_attention_sequence_sharded_runs_the_ring(types):
     for g, w in zip(grads, want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
         assert _same_spec(g.sharding.spec, spec)
+
+
+def test_user_shard_map_with_check_vma():
+    """flash_attention inside a user's shard_map (check_vma on): the portable path's scan
+    carries are typed as varying, forward and backward, also when seqlen_q != seqlen_k."""
+    import jax_fa3
+    mesh = _mesh((4,), ("data",), AxisType.Auto)
+    q, k, v = helpers.random_qkv(jax.random.key(3), 4, 32, 8, 2, 1, 16, jnp.float32)
+    spec = P("data")
+
+    def loss(q, k, v):
+        out = jax_fa3.flash_attention(q, k, v, causal=True, implementation="xla")
+        return jax.lax.psum((out ** 2).sum(), "data")
+
+    f = jax.shard_map(jax.value_and_grad(loss, argnums=(0, 1, 2)), mesh=mesh,
+                      in_specs=(spec,) * 3, out_specs=(P(), (spec,) * 3))
+    val, grads = jax.jit(f)(q, k, v)
+    want_val, want_grads = jax.value_and_grad(
+        lambda q, k, v: (jax_fa3.flash_attention(q, k, v, causal=True, implementation="xla") ** 2).sum(),
+        argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(val, want_val, rtol=1e-5)
+    for got, want in zip(grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
