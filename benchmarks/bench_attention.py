@@ -59,31 +59,33 @@ def attention_fn(impl: str, causal: bool):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _feed_back(q, out):
+def feed_back(q, out):
     """q with one element nudged by out (times zero): a data dependence between iterations."""
     nudge = (out[0, 0, 0, 0] * 0).astype(q.dtype)
     return q.at[0, 0, 0, 0].add(nudge)
 
 
-def make_loop(fn, direction: str, q, k, v):
+def make_loop(fn, direction: str, q, k, v, dout=None):
     """(run, once): run(n) runs `direction` of fn n times back to back in one jitted loop;
-    once() returns one result (out, or dq for the backward) for the cross-check."""
+    once() returns one result (out, or dq for the backward) for the cross-check. The backward's
+    output cotangent is `dout` (placed like q), or fresh random data."""
     if direction == "fwd":
         @jax.jit
         def loop(n, q, k, v):
             def body(_, q):
-                return _feed_back(q, fn(q, k, v))
+                return feed_back(q, fn(q, k, v))
             return jax.lax.fori_loop(0, n, body, q)
         return (lambda n: loop(n, q, k, v)), (lambda: jax.jit(fn)(q, k, v))
 
     _, pullback = jax.vjp(fn, q, k, v)
-    dout = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
+    if dout is None:
+        dout = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
 
     @jax.jit
     def loop(n, pullback, dout):
         def body(_, dout):
             dq, _, _ = pullback(dout)
-            return _feed_back(dout, dq)
+            return feed_back(dout, dq)
         return jax.lax.fori_loop(0, n, body, dout)
     return (lambda n: loop(n, pullback, dout)), (lambda: jax.jit(lambda p, d: p(d)[0])(pullback, dout))
 

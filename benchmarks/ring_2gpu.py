@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -78,49 +77,18 @@ import jax_fa3  # noqa: E402
 from jax_fa3 import attention, ring  # noqa: E402
 from jax_fa3.sharding import context_parallel_attention  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import make_loop, time_ms, unmasked_pairs  # noqa: E402
+
 
 # ----------------------------------------------------------------------------- helpers
 
-def unmasked_pairs(seqlen: int, causal: bool) -> int:
-    return seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
-
-
-def feed_back(x, y):
-    """x with one element nudged by y (times zero): a dependence between loop iterations."""
-    return x.at[0, 0, 0, 0].add((y[0, 0, 0, 0] * 0).astype(x.dtype))
-
-
 def timed_loops(fn, q, k, v, dout, backward: bool):
-    """{'fwd': run(n), 'bwd': run(n)}: n dependent calls in one jitted loop."""
-    @jax.jit
-    def fwd_loop(n, q, k, v):
-        return jax.lax.fori_loop(0, n, lambda _, q: feed_back(q, fn(q, k, v)), q)
-
-    loops = {"fwd": lambda n: fwd_loop(n, q, k, v)}
+    """{'fwd': run(n), 'bwd': run(n)}: n dependent calls in one jitted loop (bench_attention)."""
+    loops = {"fwd": make_loop(fn, "fwd", q, k, v)[0]}
     if backward:
-        _, pullback = jax.vjp(fn, q, k, v)
-
-        @jax.jit
-        def bwd_loop(n, pullback, dout):
-            return jax.lax.fori_loop(0, n, lambda _, d: feed_back(d, pullback(d)[0]), dout)
-
-        loops["bwd"] = lambda n: bwd_loop(n, pullback, dout)
+        loops["bwd"] = make_loop(fn, "bwd", q, k, v, dout=dout)[0]
     return loops
-
-
-def time_ms(run, target_ms: float, repeats: int) -> float:
-    """Median milliseconds per call of run(n), n chosen so a loop takes about target_ms."""
-    jax.block_until_ready(run(1))  # compile and warm up
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(1))
-    per_call = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    n = int(min(max(target_ms / per_call, 2), 1000))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(n))
-        samples.append((time.perf_counter() - t0) * 1e3 / n)
-    return statistics.median(samples)
 
 
 def max_rel_diff(a, b) -> float:
