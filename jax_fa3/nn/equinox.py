@@ -22,8 +22,7 @@ except ImportError as err:  # pragma: no cover - exercised by a monkeypatched te
 
 import jax
 
-import jax_fa3
-from jax_fa3.nn.rope import apply_rope, default_positions
+from jax_fa3.nn._core import attend
 
 __all__ = ["MultiheadAttention"]
 
@@ -155,25 +154,18 @@ class MultiheadAttention(eqx.Module):
         q = heads(self.query_proj, query, self.num_heads)
         k = heads(self.key_proj, key_, self.num_kv_heads)
         v = heads(self.value_proj, value, self.num_kv_heads)
-        if self.rope:
-            default_q, default_k = default_positions(q.shape[0], k.shape[0])
-            q_pos = default_q if positions is None else positions
-            if kv_positions is None:
-                same_length = positions is not None and k.shape[0] == q.shape[0]
-                kv_positions = positions if same_length else default_k
-            q = apply_rope(q, q_pos, base=self.rope_base)
-            k = apply_rope(k, kv_positions, base=self.rope_base)
-        elif positions is not None or kv_positions is not None:
-            raise ValueError("positions/kv_positions are only used with rope=True")
-
-        out = jax_fa3.flash_attention(
+        out = attend(
             q[None],
             k[None],
             v[None],
-            softmax_scale=self.softmax_scale,
             causal=self.causal,
             window_size=self.window_size,
             softcap=self.softcap,
+            softmax_scale=self.softmax_scale,
+            rope=self.rope,
+            rope_base=self.rope_base,
+            positions=positions,
+            kv_positions=kv_positions,
             implementation=self.implementation,
         )[0]
         return jax.vmap(self.output_proj)(out.reshape(out.shape[0], -1))

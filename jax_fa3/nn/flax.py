@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 try:
     from flax import linen, nnx
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3.nn.rope import apply_rope, default_positions
+from jax_fa3.nn._core import Implementation, attend, self_attention_defaults
 
 __all__ = [
     "LinenMultiHeadAttention",
@@ -40,7 +40,6 @@ __all__ = [
     "make_attention_fn",
 ]
 
-Implementation = Literal["cuda", "xla"] | None
 Dtype = Any  # a jnp dtype or anything jnp.dtype accepts
 
 _default_kernel_init = nnx.initializers.lecun_normal()
@@ -172,56 +171,6 @@ attention_fn = make_attention_fn()
 # --------------------------------------------------------------------------------------------
 
 
-def _attend(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    *,
-    causal: bool,
-    window_size: tuple[int, int],
-    softcap: float,
-    softmax_scale: float | None,
-    rope: bool,
-    rope_base: float,
-    positions: jax.Array | None,
-    kv_positions: jax.Array | None,
-    implementation: Implementation,
-) -> jax.Array:
-    """RoPE (optional) + jax_fa3.flash_attention on ``(batch..., seqlen, heads, head_dim)``."""
-    batch_shape = query.shape[:-3]
-    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
-        raise ValueError(
-            f"query, key and value need the same batch axes, got shapes {query.shape}, "
-            f"{key.shape}, {value.shape}"
-        )
-    if rope:
-        default_q, default_k = default_positions(query.shape[-3], key.shape[-3])
-        q_pos = default_q if positions is None else positions
-        if kv_positions is not None:
-            k_pos = kv_positions
-        elif positions is not None and key.shape[-3] == query.shape[-3]:
-            k_pos = positions  # self-attention: keys sit where the queries do
-        else:
-            k_pos = default_k
-        query = apply_rope(query, jnp.broadcast_to(q_pos, batch_shape + query.shape[-3:-2]), base=rope_base)
-        key = apply_rope(key, jnp.broadcast_to(k_pos, batch_shape + key.shape[-3:-2]), base=rope_base)
-    elif positions is not None or kv_positions is not None:
-        raise ValueError("positions/kv_positions are only used with rope=True")
-
-    q, k, v = (x.reshape((math.prod(batch_shape),) + x.shape[-3:]) for x in (query, key, value))
-    out = jax_fa3.flash_attention(
-        q,
-        k,
-        v,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=tuple(window_size),
-        softcap=softcap,
-        implementation=implementation,
-    )
-    return out.reshape(query.shape[:-1] + value.shape[-1:])
-
-
 def _check_heads(num_heads: int, num_kv_heads: int, qkv_features: int) -> int:
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -346,18 +295,13 @@ class MultiHeadAttention(nnx.Module):
         ``seqlen_q`` of ``0..seqlen_k-1``; ``kv_positions`` defaults to ``positions`` for
         self-attention and to ``0..seqlen_k-1`` otherwise.
         """
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k cannot be None when inputs_v is given")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = self_attention_defaults(inputs_q, inputs_k, inputs_v)
         if inputs_q.shape[-1] != self.in_features:
             raise ValueError(
                 f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}"
             )
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
-        x = _attend(
+        x = attend(
             query,
             key,
             value,
@@ -418,12 +362,7 @@ class LinenMultiHeadAttention(linen.Module):
         kv_positions: jax.Array | None = None,
     ) -> jax.Array:
         """Same arguments and defaults as :meth:`MultiHeadAttention.__call__`."""
-        if inputs_k is None:
-            if inputs_v is not None:
-                raise ValueError("inputs_k cannot be None when inputs_v is given")
-            inputs_k = inputs_q
-        if inputs_v is None:
-            inputs_v = inputs_k
+        inputs_k, inputs_v = self_attention_defaults(inputs_q, inputs_k, inputs_v)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
         num_kv_heads = self.num_kv_heads or self.num_heads
@@ -444,7 +383,7 @@ class LinenMultiHeadAttention(linen.Module):
         query = dense((self.num_heads, head_dim), "query", **init)(inputs_q)
         key = dense((num_kv_heads, head_dim), "key", **init)(inputs_k)
         value = dense((num_kv_heads, head_dim), "value", **init)(inputs_v)
-        x = _attend(
+        x = attend(
             query,
             key,
             value,

@@ -1,0 +1,78 @@
+"""What the Flax and Equinox attention modules share: default key/value inputs, optional RoPE,
+and the call into jax_fa3.flash_attention. Framework-free (JAX only)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+import jax_fa3
+from jax_fa3.nn.rope import apply_rope, default_positions
+
+Implementation = Literal["cuda", "xla"] | None
+
+
+def self_attention_defaults(inputs_q, inputs_k, inputs_v):
+    """(inputs_k, inputs_v) with Flax's defaults: keys from the queries, values from the keys."""
+    if inputs_k is None:
+        if inputs_v is not None:
+            raise ValueError("inputs_k cannot be None when inputs_v is given")
+        inputs_k = inputs_q
+    if inputs_v is None:
+        inputs_v = inputs_k
+    return inputs_k, inputs_v
+
+
+def attend(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    causal: bool,
+    window_size: tuple[int, int],
+    softcap: float,
+    softmax_scale: float | None,
+    rope: bool,
+    rope_base: float,
+    positions: jax.Array | None,
+    kv_positions: jax.Array | None,
+    implementation: Implementation,
+) -> jax.Array:
+    """RoPE (optional) + jax_fa3.flash_attention on ``(batch..., seqlen, heads, head_dim)``."""
+    batch_shape = query.shape[:-3]
+    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+        raise ValueError(
+            f"query, key and value need the same batch axes, got shapes {query.shape}, "
+            f"{key.shape}, {value.shape}"
+        )
+    if rope:
+        default_q, default_k = default_positions(query.shape[-3], key.shape[-3])
+        q_pos = default_q if positions is None else positions
+        if kv_positions is not None:
+            k_pos = kv_positions
+        elif positions is not None and key.shape[-3] == query.shape[-3]:
+            k_pos = positions  # self-attention: keys sit where the queries do
+        else:
+            k_pos = default_k
+        query = apply_rope(query, jnp.broadcast_to(q_pos, batch_shape + query.shape[-3:-2]), base=rope_base)
+        key = apply_rope(key, jnp.broadcast_to(k_pos, batch_shape + key.shape[-3:-2]), base=rope_base)
+    elif positions is not None or kv_positions is not None:
+        raise ValueError("positions/kv_positions are only used with rope=True")
+
+    q, k, v = (x.reshape((math.prod(batch_shape),) + x.shape[-3:]) for x in (query, key, value))
+    out = jax_fa3.flash_attention(
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=tuple(window_size),
+        softcap=softcap,
+        implementation=implementation,
+    )
+    return out.reshape(query.shape[:-1] + value.shape[-1:])
+
+
