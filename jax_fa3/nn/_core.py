@@ -15,6 +15,16 @@ from jax_fa3.nn.rope import apply_rope, default_positions
 Implementation = Literal["cuda", "xla"] | None
 
 
+# The attention options every module carries as fields, passed to `attend` by name.
+OPTION_FIELDS = ("causal", "window_size", "softcap", "softmax_scale", "rope", "rope_base",
+                 "implementation")
+
+
+def module_options(module) -> dict:
+    """The attention options of a module (NNX, Linen or Equinox) as `attend` keywords."""
+    return {name: getattr(module, name) for name in OPTION_FIELDS}
+
+
 def self_attention_defaults(inputs_q, inputs_k, inputs_v):
     """(inputs_k, inputs_v) with Flax's defaults: keys from the queries, values from the keys."""
     if inputs_k is None:

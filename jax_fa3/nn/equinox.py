@@ -22,7 +22,7 @@ except ImportError as err:  # pragma: no cover - exercised by a monkeypatched te
 
 import jax
 
-from jax_fa3.nn._core import attend
+from jax_fa3.nn._core import attend, module_options
 
 __all__ = ["MultiheadAttention"]
 
@@ -154,18 +154,6 @@ class MultiheadAttention(eqx.Module):
         q = heads(self.query_proj, query, self.num_heads)
         k = heads(self.key_proj, key_, self.num_kv_heads)
         v = heads(self.value_proj, value, self.num_kv_heads)
-        out = attend(
-            q[None],
-            k[None],
-            v[None],
-            causal=self.causal,
-            window_size=self.window_size,
-            softcap=self.softcap,
-            softmax_scale=self.softmax_scale,
-            rope=self.rope,
-            rope_base=self.rope_base,
-            positions=positions,
-            kv_positions=kv_positions,
-            implementation=self.implementation,
-        )[0]
+        out = attend(q[None], k[None], v[None], positions=positions, kv_positions=kv_positions,
+                     **module_options(self))[0]
         return jax.vmap(self.output_proj)(out.reshape(out.shape[0], -1))

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3.nn._core import Implementation, attend, self_attention_defaults
+from jax_fa3.nn._core import Implementation, attend, module_options, self_attention_defaults
 
 __all__ = [
     "LinenMultiHeadAttention",
@@ -301,20 +301,8 @@ class MultiHeadAttention(nnx.Module):
                 f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}"
             )
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
-        x = attend(
-            query,
-            key,
-            value,
-            causal=self.causal,
-            window_size=self.window_size,
-            softcap=self.softcap,
-            softmax_scale=self.softmax_scale,
-            rope=self.rope,
-            rope_base=self.rope_base,
-            positions=positions,
-            kv_positions=kv_positions,
-            implementation=self.implementation,
-        )
+        x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
+                   **module_options(self))
         return self.out(x)
 
 
@@ -383,20 +371,8 @@ class LinenMultiHeadAttention(linen.Module):
         query = dense((self.num_heads, head_dim), "query", **init)(inputs_q)
         key = dense((num_kv_heads, head_dim), "key", **init)(inputs_k)
         value = dense((num_kv_heads, head_dim), "value", **init)(inputs_v)
-        x = attend(
-            query,
-            key,
-            value,
-            causal=self.causal,
-            window_size=self.window_size,
-            softcap=self.softcap,
-            softmax_scale=self.softmax_scale,
-            rope=self.rope,
-            rope_base=self.rope_base,
-            positions=positions,
-            kv_positions=kv_positions,
-            implementation=self.implementation,
-        )
+        x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
+                   **module_options(self))
         return dense(
             out_features,
             "out",
