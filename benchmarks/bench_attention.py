@@ -39,7 +39,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def unmasked_pairs(seqlen: int, causal: bool) -> int:

@@ -42,6 +42,12 @@ def build_info() -> dict | None:
 
 
 @functools.lru_cache(maxsize=None)
+def _compiled(direction: str) -> tuple:
+    """The (dtype name, head_dim) pairs compiled for `direction` (fixed for the process)."""
+    return tuple(build_info()[direction])
+
+
+@functools.lru_cache(maxsize=None)
 def _device_reason() -> str | None:
     """Why the default device cannot run sm_90a kernels, or None if it can."""
     if jax.default_backend() != "gpu":
@@ -61,8 +67,8 @@ def unavailable_reason(direction: str, dtype, head_dim: int) -> str | None:
     if _fa3_cuda is None:
         return f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})"
     name = jax.numpy.dtype(dtype).name
-    compiled = build_info()[direction]
+    compiled = _compiled(direction)
     if (name, int(head_dim)) not in compiled:
         return (f"no {direction} kernel compiled for dtype {name} and head_dim {head_dim} "
-                f"(compiled: {compiled or 'none'})")
+                f"(compiled: {list(compiled) or 'none'})")
     return _device_reason()

@@ -8,6 +8,8 @@ UNBOUNDED; bounds may be negative (ring attention shifts the diagonal between ch
 
 from __future__ import annotations
 
+import numpy as np
+
 UNBOUNDED = 1 << 30  # fa3::kUnbounded in cpp/include/fa3/params.h
 
 
@@ -24,3 +26,14 @@ def band(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
 def is_full_or_causal(left: int, right: int) -> bool:
     """True for the unmasked band and the plain causal band (no finite window)."""
     return left >= UNBOUNDED and right in (UNBOUNDED, 0)
+
+
+def clamp(bound: int) -> int:
+    """A band bound as the kernels accept it: within [-UNBOUNDED, UNBOUNDED]."""
+    return max(-UNBOUNDED, min(UNBOUNDED, int(bound)))
+
+
+def band_mask(seqlen_q: int, seqlen_k: int, left: int, right: int) -> np.ndarray:
+    """Boolean (seqlen_q, seqlen_k) of the band (a numpy constant)."""
+    rel = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
+    return (rel >= -left) & (rel <= right)

@@ -42,8 +42,8 @@ def unavailable_reason(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int
                        shapes=()) -> str | None:
     """None when the Hopper kernel for `direction` ('fwd' or 'bwd') can run inputs of this
     dtype, head dim (and optionally these shapes) here; otherwise a sentence saying why."""
-    reason = _validate.kernel_input_reason(dtype, head_dim, shapes)
-    return reason if reason is not None else _ffi.unavailable_reason(direction, dtype, head_dim)
+    return (_validate.kernel_input_reason(dtype, head_dim, shapes)
+            or _ffi.unavailable_reason(direction, dtype, head_dim))
 
 
 def kernel_available(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int = 128) -> bool:
@@ -62,20 +62,15 @@ def resolve_implementation(implementation, q, k, direction: str = "fwd") -> str:
     if implementation == "xla":
         return "xla"
     shapes = (q.shape, k.shape)
-    input_reason = _validate.kernel_input_reason(q.dtype, q.shape[-1], shapes)
-    reason = input_reason or _ffi.unavailable_reason(direction, q.dtype, q.shape[-1])
+    reason = unavailable_reason(direction, q.dtype, q.shape[-1], shapes)
     if reason is None:
         return "cuda"
     if implementation == "cuda" and direction == "fwd":
+        input_reason = _validate.kernel_input_reason(q.dtype, q.shape[-1], shapes)
         error = ValueError if input_reason else RuntimeError
         raise error(f"implementation='cuda' cannot run this call: {reason}. "
                     f"Use implementation=None to fall back to the portable path.")
     return "xla"
-
-
-def _clamp(bound: int) -> int:
-    """Band bounds as the kernels accept them: within [-UNBOUNDED, UNBOUNDED]."""
-    return max(-UNBOUNDED, min(UNBOUNDED, int(bound)))
 
 
 def attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, left: int, right: int,
@@ -88,7 +83,7 @@ def attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, left: int, r
     for ring attention (see jax_fa3/_masks.py). `implementation`: None, "cuda" or "xla" as in
     `flash_attention`. Stable internal API (used by ring attention)."""
     q, k, v = _validate.check_qkv(q, k, v)
-    left, right = _clamp(left), _clamp(right)
+    left, right = _masks.clamp(left), _masks.clamp(right)
     if resolve_implementation(implementation, q, k, "fwd") == "cuda":
         from jax_fa3 import _ops  # the only module with ffi_call sites
         return _ops.fwd(q, k, v, softmax_scale=softmax_scale, softcap=softcap,
@@ -108,7 +103,7 @@ def attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: flo
     is built for the call, the portable backward runs. `deterministic` orders the kernel's dQ
     accumulation (the portable backward is always deterministic). Stable internal API."""
     q, k, v = _validate.check_qkv(q, k, v)
-    left, right = _clamp(left), _clamp(right)
+    left, right = _masks.clamp(left), _masks.clamp(right)
     use_kernel = dlse is None and resolve_implementation(implementation, q, k, "bwd") == "cuda"
     if deterministic and not _masks.is_full_or_causal(left, right):
         # The kernel's ordered dQ accumulation has run on the H200 only for full and causal
@@ -264,7 +259,7 @@ def _top_left_band(is_causal, local_window_size, seqlen_q, seqlen_k):
     shift = seqlen_k - seqlen_q  # our diagonal sits `shift` keys right of jax.nn's
     left = left if left >= UNBOUNDED else left + shift
     right = right if right >= UNBOUNDED else right - shift
-    return _clamp(left), _clamp(right)
+    return _masks.clamp(left), _masks.clamp(right)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,

@@ -21,12 +21,10 @@ GQA/MQA: q is viewed as (b, sq, heads_kv, group, d); K/V are never repeated.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from jax_fa3._masks import UNBOUNDED
+from jax_fa3._masks import UNBOUNDED, band_mask
 from jax_fa3._vma import varying_like
 
 DEFAULT_BLOCK_K = 128
@@ -205,12 +203,6 @@ def _grouped(x, b, hkv, g):
     if x.shape[1] == 1:
         return x[:, :, None]
     return x.reshape(x.shape[0], hkv, g, *x.shape[2:])
-
-
-def band_mask(seqlen_q: int, seqlen_k: int, left: int, right: int):
-    """Boolean (seqlen_q, seqlen_k) of the band (a numpy constant)."""
-    rel = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
-    return (rel >= -left) & (rel <= right)
 
 
 def dense(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UNBOUNDED,

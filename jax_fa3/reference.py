@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from jax_fa3._masks import UNBOUNDED, band
+from jax_fa3._masks import UNBOUNDED, band, band_mask
 
 
 def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -42,8 +42,7 @@ def attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1)
         left, right = band(causal, window_size)
     left = UNBOUNDED if left is None else left
     right = UNBOUNDED if right is None else right
-    rel = jnp.arange(sk)[None, :] - jnp.arange(sq)[:, None] - (sk - sq)
-    allowed = (rel >= -left) & (rel <= right)
+    allowed = jnp.asarray(band_mask(sq, sk, left, right))
     if mask is not None:
         allowed = allowed & mask
     allowed = jnp.broadcast_to(allowed, s.shape)

@@ -34,6 +34,26 @@ def _rng(key):
     return np.random.default_rng(np.asarray(key).astype(np.uint32).ravel().tolist())
 
 
+def key_stream(seed):
+    """A function returning a fresh PRNG key on each call (one reproducible stream per module)."""
+    state = [jax.random.PRNGKey(seed)]
+
+    def next_key():
+        state[0], key = jax.random.split(state[0])
+        return key
+    return next_key
+
+
+def skip_unless_kernel(direction, dtype, head_dim):
+    """Skip the calling test, with the reason, when the `direction` kernel cannot run this
+    dtype and head dim here (the one helper that asks jax_fa3: availability, not numerics)."""
+    import pytest
+    from jax_fa3 import _ffi
+    reason = _ffi.unavailable_reason(direction, dtype, head_dim)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 def random_qkv(key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, scale=1.0):
     """Fresh standard-normal (q, k, v) in `dtype`; q is multiplied by `scale`, so logits
     (with the default softmax scale) have standard deviation about `scale`: scale > 1 gives

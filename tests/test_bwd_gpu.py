@@ -13,17 +13,13 @@ allocated and freed so that unwritten elements would likely surface as NaN.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import helpers  # noqa: E402
-from jax_fa3 import _ffi, _masks, _ops  # noqa: E402
+import helpers
+from jax_fa3 import _ffi, _masks, _ops
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +27,11 @@ UNB = _masks.UNBOUNDED
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
 
-_key = [jax.random.PRNGKey(4_2026_1130)]
-
-
-def _next_key():
-    _key[0], k = jax.random.split(_key[0])
-    return k
+_next_key = helpers.key_stream(4_2026_1130)
 
 
 def _need(dtype, head_dim):
-    reason = _ffi.unavailable_reason("bwd", dtype, head_dim)
-    if reason is not None:
-        pytest.skip(reason)
+    helpers.skip_unless_kernel("bwd", dtype, head_dim)
 
 
 def _first_compiled(dtype=jnp.bfloat16):

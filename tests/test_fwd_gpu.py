@@ -12,7 +12,6 @@ through the public jax_fa3.flash_attention(..., implementation="cuda").
 
 from __future__ import annotations
 
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -28,18 +27,11 @@ UNB = _masks.UNBOUNDED
 HEAD_DIMS = (64, 96, 128, 192, 256)
 DTYPES = (jnp.bfloat16, jnp.float16)
 
-_key = [jax.random.PRNGKey(20261130)]
-
-
-def _next_key():
-    _key[0], k = jax.random.split(_key[0])
-    return k
+_next_key = helpers.key_stream(20261130)
 
 
 def _need(dtype, head_dim):
-    reason = _ffi.unavailable_reason("fwd", dtype, head_dim)
-    if reason is not None:
-        pytest.skip(reason)
+    helpers.skip_unless_kernel("fwd", dtype, head_dim)
 
 
 def _kernel(q, k, v, left, right, softcap=0.0, scale=None):
