@@ -2,6 +2,7 @@
 
 Implementations (all called from JAX, all in this one process):
   jax_fa3  jax_fa3.flash_attention(..., implementation="cuda")
+  jax_fa3_det  the same with deterministic=True (the cost of ordered dQ accumulation)
   cudnn    jax.nn.dot_product_attention(..., implementation="cudnn")
   xla      jax.nn.dot_product_attention(..., implementation="xla")  (dense; skipped above --xla-max-seqlen)
   fa3      flash_attn3_jax.flash_mha (FA3's own kernels; head dim 128; only when importable)
@@ -50,6 +51,10 @@ def attention_fn(impl: str, causal: bool):
     if impl == "jax_fa3":
         import jax_fa3
         return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal, implementation="cuda")
+    if impl == "jax_fa3_det":
+        import jax_fa3
+        return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal, deterministic=True,
+                                                       implementation="cuda")
     if impl in ("cudnn", "xla"):
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
     if impl == "fa3":
@@ -172,7 +177,7 @@ def run_grid(args) -> list[dict]:
 
 def markdown(records: list[dict], header: str) -> str:
     """One row per (direction, head dim, causal, seqlen); TFLOP/s per impl and jax_fa3's ratios."""
-    impls = [i for i in ("jax_fa3", "cudnn", "fa3", "xla") if any(r["impl"] == i for r in records)]
+    impls = [i for i in ("jax_fa3", "jax_fa3_det", "cudnn", "fa3", "xla") if any(r["impl"] == i for r in records)]
     peers = [i for i in impls if i != "jax_fa3"]
     cols = ["dir", "hd", "causal", "seqlen"] + impls + [f"vs {p}" for p in peers]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -199,7 +204,7 @@ def plot(records: list[dict], path: Path) -> None:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
     for ax, (direction, causal, hd) in zip(axes.flat, panels):
-        for impl in ("jax_fa3", "cudnn", "fa3", "xla"):
+        for impl in ("jax_fa3", "jax_fa3_det", "cudnn", "fa3", "xla"):
             pts = sorted((r["seqlen"], r["tflops"]) for r in records if r["impl"] == impl
                          and (r["direction"], r["causal"], r["head_dim"]) == (direction, causal, hd))
             if pts:

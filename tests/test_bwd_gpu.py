@@ -121,6 +121,15 @@ def test_head_dims(d, dtype, causal):
     _check(2, 129, 129, 2, 2, d, dtype, right=0 if causal else UNB)
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dims_many_steps(d, causal):
+    """Every head dim over enough query blocks (11 per head, 2 heads per kv head) that the
+    Q/dO ring wraps several times (3 stages at hd64/96, 2 at hd128/192, 1 at hd256) and the dQ
+    writer walks several query blocks and heads."""
+    _check(1, 700, 650, 4, 2, d, jnp.bfloat16, right=0 if causal else UNB)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (17, 17), (127, 127), (128, 128), (1000, 1000),
                                    (17, 1000), (1000, 17), (129, 64), (1, 300)])
@@ -219,3 +228,30 @@ def test_jit_and_vmap():
     mapped = jax.device_get(jax.vmap(f)(*split))
     for a, b in zip(full, mapped):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32)[:, 0])
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_gqa_window_many_steps(deterministic):
+    """(Last in the file: a deterministic hang would end the suite here, not earlier.)
+    GQA group of 4 with a window: each CTA walks a partial query-block range per head, so the
+    dQ writer's pointer steps (next query block, next head of the group) and, deterministic, its
+    turn taking are all exercised; the kernel is called directly (the public API sends
+    deterministic windowed backwards to the portable path)."""
+    d = _first_compiled()
+    b, sq, sk, hq, hkv, left, right = 2, 1000, 1100, 8, 2, 150, 60
+    q, k, v = helpers.random_qkv(_next_key(), b, sq, sk, hq, hkv, d, jnp.bfloat16)
+    dout = helpers.random_like(_next_key(), q)
+    scale = 1.0 / np.sqrt(d)
+    out64, lse64 = helpers.reference_f64(q, k, v, left=left, right=right)
+    out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
+    lse = jnp.asarray(np.asarray(lse64, np.float32))
+    got = _kernel_bwd(q, k, v, out, lse, dout, left, right, 0.0, scale, deterministic=deterministic)
+    if deterministic:
+        again = _kernel_bwd(q, k, v, out, lse, dout, left, right, 0.0, scale, deterministic=True)
+        for name, a, c in zip(("dq", "dk", "dv"), got, again):
+            assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(c).view(np.uint16)), name
+    ref = helpers.reference_grads_f64(q, k, v, dout, left=left, right=right)
+    base = _baseline(q, k, v, dout, dict(left=left, right=right))
+    for name, g, r, bl in zip(("dq", "dk", "dv"), got, ref, base):
+        helpers.assert_finite(name, g)
+        helpers.assert_error_ratio(name, g, r, bl)

@@ -89,6 +89,25 @@ def test_seqlens(sq, sk, causal):
     _check(1, sq, sk, 3, 3, 128, jnp.bfloat16, left, right)
 
 
+# d = 64 unmasked problems run 192 x 128 tiles with three consumer warpgroups (round-robin
+# turn order): query lengths around the 64-row slabs and the 192-row tile (fully out-of-range
+# slabs at 1 and 65, ragged last tiles at 193 and 577), key lengths at 1, 2 and 3+ key blocks
+# of 128 (the rotated main loop: tail of block n+1, then head of block n). Causal cases run the
+# banded 128 x 128 tile of the same head dim.
+@pytest.mark.parametrize("sq,sk", [(1, 1), (65, 65), (191, 191), (192, 192), (193, 193),
+                                   (577, 577), (193, 129), (1, 385), (577, 64), (384, 257)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_seqlens_d64(sq, sk, causal):
+    left, right = _masks.band(causal, (-1, -1))
+    _check(2, sq, sk, 4, 2, 64, jnp.bfloat16, left, right)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("hq,hkv", [(6, 6), (8, 1)], ids=["mha", "mqa"])
+def test_d64_softcap_gqa(softcap, hq, hkv):
+    _check(2, 400, 333, hq, hkv, 64, jnp.float16, softcap=softcap, logit_scale=8.0)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_long_ragged(causal):
     left, right = _masks.band(causal, (-1, -1))
@@ -121,6 +140,15 @@ def test_windows(window, sq, sk):
     (UNB, -1000), (-1000, UNB), (0, UNB), (UNB, 0), (2000, 2000)])
 def test_shifted_bands(left, right):
     _check(1, 257, 300, 2, 1, 128, jnp.bfloat16, left, right)
+
+
+# More tiles than SMs under a band, so that a persistent CTA runs several tiles (the dynamic
+# schedule of banded problems, kFwdDynamicBanded), including tiles without any key (the band
+# shifted past the start of the key range leaves the first query blocks empty).
+@pytest.mark.parametrize("left,right", [(UNB, 0), (256, 0), (UNB, -700)], ids=["causal", "local", "shifted"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_many_tiles_banded(left, right, d):
+    _check(2, 1100, 1100, 16, 4, d, jnp.bfloat16, left, right)
 
 
 # --------------------------------------------------------------------------- softcap, scales

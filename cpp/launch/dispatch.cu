@@ -28,6 +28,17 @@ bool bwd_compiled(DType dtype, int head_dim) {
   return false;
 }
 
+size_t fwd_workspace_bytes(const FwdParams& p) {
+#undef FA3_BWD_CONFIG
+#define FA3_BWD_CONFIG(Element, kDType, kHeadDim)
+#undef FA3_FWD_CONFIG
+#define FA3_FWD_CONFIG(Element, kDType, kHeadDim)              \
+  if (p.dtype == DType::kDType && p.shape.head_dim == kHeadDim) \
+    return fwd_workspace_bytes_impl<Element, kHeadDim>(p);
+#include "fa3_configs.inc"
+  return 0;
+}
+
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
 #undef FA3_BWD_CONFIG
 #define FA3_BWD_CONFIG(Element, kDType, kHeadDim)

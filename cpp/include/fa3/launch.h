@@ -14,6 +14,9 @@ namespace fa3 {
 bool fwd_compiled(DType dtype, int head_dim);
 bool bwd_compiled(DType dtype, int head_dim);
 
+// Bytes of scratch the forward needs for these params (a tile counter for the dynamic
+// schedule, or 0); the caller allocates and sets params.workspace.
+size_t fwd_workspace_bytes(const FwdParams& params);
 // Enqueue the forward kernel(s) on `stream`. Never synchronises, never allocates.
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 
@@ -24,6 +27,8 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
 
 // Templates each instantiation file defines for one (Element, HeadDim); Element is
 // cutlass::bfloat16_t or cutlass::half_t.
+template <typename Element, int kHeadDim>
+size_t fwd_workspace_bytes_impl(const FwdParams& params);
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>

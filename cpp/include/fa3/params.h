@@ -46,6 +46,8 @@ struct FwdParams {
   const void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  // Scratch from the FFI ScratchAllocator, sized by fwd_workspace_bytes() (0: none needed).
+  void* workspace = nullptr;
   int num_sms = 0;  // multiprocessors of the device, for the persistent grid
 };
 

@@ -5,8 +5,14 @@
 //   warpgroups 1, 2: consumers (registers raised with setmaxnreg), 64 keys each; see
 //     bwd_traits.cuh for the GEMMs. dK/dV stay in registers over the whole loop (GQA: summed over
 //     the query heads of the group inside the CTA, so no fp32 dK/dV workspace and no atomics for
-//     them); dQ goes to the fp32 accumulator by float4 atomics in a fragment-ordered layout that
-//     bwd_postprocess reads back.
+//     them); each warpgroup's dQ tile goes, in a fragment-ordered layout that bwd_postprocess
+//     reads back, to the fp32 accumulator: through shared memory and a bulk reduce-add issued by
+//     the dQ writer (kDQSmem), or by float4 atomics from the consumers (d >= 192).
+//   warpgroup 0, warp 1 (kDQSmem): dQ writer. Per step and consumer warpgroup it waits for the
+//     smem dQ tile (named barrier DQFull), issues one cp.reduce.async.bulk add.f32 into the
+//     accumulator, and frees the tile (DQEmpty) once the bulk copy has read it. In deterministic
+//     mode it, not the consumers, waits for the CTA's turn on the query block, so the consumers
+//     run up to one step ahead of the turn order.
 // Masks: query blocks that see none of the CTA's keys are never visited; the per-element mask
 // runs only on blocks that straddle the band or the end of the keys.
 #pragma once
@@ -76,8 +82,38 @@ CUTE_DEVICE void convert_fragment(TIn const& in, TOut& out) {
       conv(*reinterpret_cast<cutlass::Array<float, N> const*>(in.data()));
 }
 
-// Named barrier ids (CUTLASS adds its reserved offset).
-enum : uint32_t { kBarDsFull = 0, kBarDsFree = 1, kBarDetIn = 2, kBarDetOut = 3 };
+// dQ writer helpers: bulk reduce-add of a shared-memory fp32 tile into global memory (async
+// proxy, bulk-group completion), and the proxy fence that orders it with generic accesses.
+// The dQ accumulator lines are hit again by the other key blocks of the same query block (other
+// CTAs, soon after): keep them in L2 (evict_last), as FA3 does; -DFA3_BWD_DQ_NO_L2_HINT: plain.
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+#ifdef FA3_BWD_DQ_NO_L2_HINT
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               ::"l"(gmem), "r"(s), "r"(bytes) : "memory");
+#else
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
+               ::"l"(gmem), "r"(s), "r"(bytes), "l"(policy) : "memory");
+#endif
+}
+CUTE_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// All committed bulk operations have finished reading shared memory.
+CUTE_DEVICE void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// All committed bulk operations are complete (their global writes performed).
+CUTE_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
+//   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).
+//   DetIn/DetOut: deterministic turn taking in the consumers (atomic dQ path, 256 threads).
+//   DQFull0/1, DQEmpty0/1: consumer warpgroup w and the dQ writer warp (128 + 32 threads).
+enum : uint32_t {
+  kBarDsFull = 0, kBarDsFree = 1, kBarDetIn = 2, kBarDetOut = 3,
+  kBarDQFull0 = 4, kBarDQEmpty0 = 6  // + warpgroup
+};
+constexpr int kDQBarThreads = 128 + 32;
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
@@ -109,59 +145,134 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   __syncthreads();
 
   if (warp_group == 0) {
-    // ------------------------------------------------------------------ producer
+    // ------------------------------------------------------------------ producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    Storage& ss = storage();
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-    const int group = p.heads_q / p.heads_kv;
-    BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+    // Each role derives its block range itself, inside its branch: values shared by the two
+    // branches would stay live through both on 24 registers (ptxas spilled the TMA loop).
+    const int warp = threadIdx.x / 32;
     int m_begin, m_end;
-    query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-    const bool has_work = m_end > m_begin;
-    const int sq_pad = p.m_blocks * kBlockM;
-    if (threadIdx.x == 0 && has_work) {
-      Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-      Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-      Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-      Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
-      Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-      Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-      Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-      Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-      auto tma_k = p.tma_k.get_slice(_0{});
-      auto tma_v = p.tma_v.get_slice(_0{});
-      TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kBytesK);
-      copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-      copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+    if (warp == 0) {
+      Storage& ss = storage();
+      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+      const int group = p.heads_q / p.heads_kv;
+      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+      if (threadIdx.x == 0 && m_end > m_begin) {
+        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+        Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+        Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+        Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+        Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+        Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+        Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+        auto tma_k = p.tma_k.get_slice(_0{});
+        auto tma_v = p.tma_v.get_slice(_0{});
+        TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kBytesK);
+        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 
-      auto tma_q = p.tma_q.get_slice(_0{});
-      auto tma_do = p.tma_do.get_slice(_0{});
-      Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_K, stage)
-      Tensor tdOsdO = tma_do.partition_D(sdO);
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int pass = 0; pass < Tr::kPasses; ++pass) {
-        for (int hi = 0; hi < group; ++hi) {
-          const int h = hk * group + hi;
-          Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-          Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-          Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
-          Tensor tdOgdO = tma_do.partition_S(gdO);
-          const int64_t row_base = (int64_t(b) * p.heads_q + h) * sq_pad;
-          for (int m = m_begin; m < m_end; ++m) {
-            ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-            TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
-            copy(p.tma_q.with(ss.full[stage]), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-            copy(p.tma_do.with(ss.full[stage]), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
-            SM90_BULK_COPY_G2S::copy(p.lse_log2 + row_base + int64_t(m) * kBlockM, &ss.full[stage],
-                                     ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
-            SM90_BULK_COPY_G2S::copy(p.dpsum + row_base + int64_t(m) * kBlockM, &ss.full[stage],
-                                     ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
-            if (++stage == kStages) { stage = 0; phase ^= 1; }
+        auto tma_q = p.tma_q.get_slice(_0{});
+        auto tma_do = p.tma_do.get_slice(_0{});
+        Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_K, stage)
+        Tensor tdOsdO = tma_do.partition_D(sdO);
+        int stage = 0;
+        uint32_t phase = 0;
+        #pragma unroll 1
+        for (int pass = 0; pass < Tr::kPasses; ++pass) {
+          #pragma unroll 1
+          for (int hi = 0; hi < group; ++hi) {
+            const int h = hk * group + hi;
+            Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+            Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+            Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
+            Tensor tdOgdO = tma_do.partition_S(gdO);
+            const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
+            const float* lse = p.lse_log2 + row0;
+            const float* dpsum = p.dpsum + row0;
+            #pragma unroll 1
+            for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
+              ClusterBar::wait(&ss.empty[stage], phase ^ 1);
+              TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
+              copy(p.tma_q.with(ss.full[stage]), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+              copy(p.tma_do.with(ss.full[stage]), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
+              SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
+              SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
+              if (++stage == kStages) { stage = 0; phase ^= 1; }
+            }
           }
         }
+      }
+    } else if (Tr::kDQSmem && warp == 1) {
+      Storage& ss = storage();
+      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+      const int group = p.heads_q / p.heads_kv;
+      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+      if (m_end > m_begin) {
+        // -------------------------------------------------------------- dQ writer (one warp)
+        // Runs on the producer warpgroup's 24 registers: pointers advance incrementally and the
+        // turn (first key block of the query block) is computed inline.
+        const bool lane0 = threadIdx.x == 32;
+        const int steps = group * (m_end - m_begin);
+        // Both smem tiles start empty. The writer arrives on DQEmpty exactly once per consumer
+        // sync (here for the first step, then after each step but the last), so the barrier
+        // phases alternate strictly: the writer's next arrive follows its DQFull sync, which
+        // follows the consumers' DQEmpty sync of the step before.
+        cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
+        cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
+        const int64_t head_rows = int64_t(hk * group + b * p.heads_q) * p.m_blocks + m_begin;
+        float* acc = p.dq_accum + head_rows * int64_t(kBlockM * kHeadDim);
+        int* sem = p.dq_sem + head_rows;
+        const long long first_key0 = (long long)m_begin * kBlockM + (p.seqlen_k - p.seqlen_q) - p.window_left;
+        int m = m_begin;
+        #pragma unroll 1
+        for (int step = 0; step < steps; ++step) {
+          if (p.deterministic) {
+            // Turn order: the key blocks of this query block one after the other, from the first
+            // (band.key_block_range's n_begin; the CTA's m range guarantees the band is not empty).
+            long long first_key = first_key0 + (long long)(m - m_begin) * kBlockM;
+            const int nb = first_key > 0 ? int(first_key / kBlockN) : 0;
+            if (lane0) {
+              while (ld_acquire(sem) != n_block - nb) __nanosleep(32);
+              fence_proxy_async_global();  // the acquired bulk writes before our bulk op
+            }
+            __syncwarp();
+          }
+          cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0);
+          if (lane0) {
+            bulk_reduce_add_f32(acc, ss.dq.data(), Tr::kDQWgBytes);
+            bulk_commit();
+          }
+          cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0 + 1);
+          if (lane0) {
+            bulk_reduce_add_f32(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats, Tr::kDQWgBytes);
+            bulk_commit();
+            bulk_wait_read_all();
+          }
+          __syncwarp();
+          if (step + 1 < steps) {
+            cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
+            cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
+          }
+          if (p.deterministic && lane0) {
+            bulk_wait_all();             // our adds are performed ...
+            fence_proxy_async_global();  // ... ordered before generic accesses ...
+            red_release_add(sem, 1);     // ... and published with the turn
+          }
+          // Next (head, query block): query blocks innermost, as the consumers walk them.
+          acc += kBlockM * kHeadDim;
+          ++sem;
+          if (++m == m_end) {
+            m = m_begin;
+            const int skip = p.m_blocks - (m_end - m_begin);
+            acc += int64_t(skip) * (kBlockM * kHeadDim);
+            sem += skip;
+          }
+        }
+        if (lane0) bulk_wait_all();
       }
     }
   } else {
@@ -215,54 +326,120 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
 
     if (has_work) TxBar::wait(&ss.kv_full, 0);
 
-    int stage = 0;
-    uint32_t phase = 0;
-    int ds_stage = 0;
+    // Q, dO, LSE, D of a stage are no longer read: one arrive per consumer warp.
+    auto release = [&](int s) {
+      __syncwarp();
+      if (cute::elect_one_sync()) ClusterBar::arrive(&ss.empty[s]);
+    };
+
+    // One step counter carries the whole pipeline state (registers are the limit here): stage
+    // and phase of the Q/dO ring, the dS buffer (dS is written only in pass 0, whose steps come
+    // first), and the stage an in-flight dK still reads (the previous step's).
+    int it = 0;
     for (int pass = 0; pass < Tr::kPasses; ++pass) {
       Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
       Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
       clear(tdKrdK);
       clear(tdVrdV);
       const bool dq_pass = pass == 0;
+      const int it_pass = it;  // kOverlapDK: steps after the pass's first have a dK in flight
       for (int hi = 0; hi < group; ++hi) {
         const int h = hk * group + hi;
         for (int m = m_begin; m < m_end; ++m) {
           const int m0 = m * kBlockM;
           const bool need_mask =
               n_partial || !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN);
+          const int stage = it % kStages;
+          const uint32_t phase = (it / kStages) & 1;
+          const int ds_stage = it % kStagesdS;
+          const int prev_stage = (it + kStages - 1) % kStages;
+          const bool pending = Tr::kOverlapDK && it != it_pass;
           TxBar::wait(&ss.full[stage], phase);
 
           Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
           Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
           wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
           wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tSrS);
-          warpgroup_fence_operand(tdPrdP);
-
-          // P^T = exp2(S^T * scale_log2 - lse_log2) and dS^T = P^T o (dP^T - D) (o tanh' with
-          // softcap), rows = keys, columns = queries. Done after both GEMMs so that only S^T and
-          // dP^T are live next to the dK/dV accumulators (register pressure).
+          // P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T o (dP^T - D) (o tanh' with
+          // softcap); rows = keys, columns = queries.
           const float* lse = ss.lse.data() + stage * kBlockM;
           const float* dpsum = ss.dpsum.data() + stage * kBlockM;
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(tSrS); ++i) {
-            const int kr = get<0>(tScS(i)), qc = get<1>(tScS(i));
-            float pv, dtanh = 1.f;
-            if constexpr (Tr::kSoftcap) {
-              float t = tanhf(tSrS(i) * p.pre_tanh);
-              dtanh = 1.f - t * t;
-              pv = exp2f(t * p.scale_log2 - lse[qc]);
+          // Per-query statistics of accumulator element i (column get<1>(tScS(i))). kShuffleStats:
+          // lane L keeps columns 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread
+          // that needs column c = 8j + 2(lane % 4) + e (element i = e + 2 r + 4 j of the
+          // ((2,2,kBlockM/8),1,1) accumulator) takes it from lane (c % 64) / 2 by a shuffle:
+          // kBlockM/32 registers per statistic instead of up to kBlockM/4 loaded values.
+          float2 lse_r[kBlockM / 64], dpsum_r[kBlockM / 64];
+          if constexpr (Tr::kShuffleStats) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int c64 = 0; c64 < kBlockM / 64; ++c64) {
+              lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
+              dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
+            }
+          }
+          auto stat = [&](const float* sm, float2 const (&r)[kBlockM / 64], int i) {
+            if constexpr (Tr::kShuffleStats) {
+              const int j = i / 4;
+              const float2 v = r[j / 8];
+              return __shfl_sync(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8) + ct % 4);
             } else {
-              pv = exp2f(tSrS(i) * p.scale_log2 - lse[qc]);
+              return sm[get<1>(tScS(i))];
             }
+          };
+          // The band/key-bound mask runs as its own pass, only on boundary blocks, so the
+          // exponentials of interior blocks carry no per-element coordinates or branches.
+          auto apply_mask = [&]() {
             if (need_mask) {
-              const int j = n0 + kr, qi = m0 + qc;
-              const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-              if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(tSrS); ++i) {
+                const int j = n0 + get<0>(tScS(i)), qi = m0 + get<1>(tScS(i));
+                const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) tSrS(i) = 0.f;
+              }
             }
-            tSrS(i) = pv;
-            tdPrdP(i) = pv * dtanh * (tdPrdP(i) - dpsum[qc]);
+          };
+          if constexpr (Tr::kOverlapP && !Tr::kSoftcap) {
+            // Groups in flight: [dK of the previous step,] S^T, dP^T. Waiting down to one
+            // completes the previous dK and S^T; P is computed while dP^T runs.
+            warpgroup_wait<1>();
+            warpgroup_fence_operand(tSrS);
+            if (pending) {
+              warpgroup_fence_operand(tdKrdK);
+              release(prev_stage);
+            }
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - stat(lse, lse_r, i));
+            apply_mask();
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdPrdP);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
+          } else {
+            // Softcap needs tanh' next to dP^T: P and dS^T in one pass after both GEMMs (v1),
+            // which keeps only S^T and dP^T live next to dK/dV.
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tSrS);
+            warpgroup_fence_operand(tdPrdP);
+            if (pending) {
+              warpgroup_fence_operand(tdKrdK);
+              release(prev_stage);
+            }
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(tSrS); ++i) {
+              float s = tSrS(i), dtanh = 1.f;
+              if constexpr (Tr::kSoftcap) {
+                s = tanhf(s * p.pre_tanh);
+                dtanh = 1.f - s * s;
+              }
+              float pv = exp2f(s * p.scale_log2 - stat(lse, lse_r, i));
+              if (need_mask) {
+                const int j = n0 + get<0>(tScS(i)), qi = m0 + get<1>(tScS(i));
+                const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
+              }
+              tSrS(i) = pv;
+              tdPrdP(i) = pv * dtanh * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
+            }
           }
           Tensor rP = make_tensor<Element>(tSrS.layout());
           convert_fragment(tSrS, rP);
@@ -310,41 +487,62 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
                 warpgroup_wait<0>();
               }
               warpgroup_fence_operand(tdQrdQ);
-              if (c == 0 && p.deterministic) {
-                int nb, ne;
-                band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
-                if (ct == 0) {
-                  while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
+              if constexpr (Tr::kDQSmem) {
+                // Hand the tile to the dQ writer: wait until it has read the previous one.
+                float4* dst = reinterpret_cast<float4*>(ss.dq.data() + wg * Tr::kDQWgFloats);
+                // Barrier ids as immediates (a warp-uniform branch): no registers held for them.
+                if (wg == 0) cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0);
+                else cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0 + 1);
+                CUTLASS_PRAGMA_UNROLL
+                for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+                  dst[j * 128 + t_in_wg] =
+                      make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
                 }
-                cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
-              }
-              float4* acc = reinterpret_cast<float4*>(
-                  p.dq_accum + acc_base + int64_t(c) * (kBlockM * Tr::kHdChunk) +
-                  int64_t(wg) * (kBlockM * Tr::kHdChunk / 2));
-              CUTLASS_PRAGMA_UNROLL
-              for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-                atomicAdd(acc + j * 128 + t_in_wg,
-                          make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+                cutlass::arch::fence_view_async_shared();  // generic smem writes -> bulk copy
+                if (wg == 0) cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0);
+                else cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0 + 1);
+              } else {
+                if (c == 0 && p.deterministic) {
+                  int nb, ne;
+                  band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
+                  if (ct == 0) {
+                    while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
+                  }
+                  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
+                }
+                float4* acc = reinterpret_cast<float4*>(
+                    p.dq_accum + acc_base + int64_t(c) * (kBlockM * Tr::kHdChunk) +
+                    int64_t(wg) * Tr::kDQWgFloats);
+                CUTLASS_PRAGMA_UNROLL
+                for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+                  atomicAdd(acc + j * 128 + t_in_wg,
+                            make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+                }
               }
             }
-            if (p.deterministic) {
+            if (!Tr::kDQSmem && p.deterministic) {
               __threadfence();
               cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);
               if (ct == 0) red_release_add(sem, 1);
             }
-            if constexpr (kStagesdS > 1) ds_stage = (ds_stage + 1) % kStagesdS;
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
           }
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tdKrdK);
-          warpgroup_fence_operand(tdVrdV);
-          // Q, dO, LSE, D of this stage are no longer read.
-          __syncwarp();
-          if (cute::elect_one_sync()) ClusterBar::arrive(&ss.empty[stage]);
-          if (++stage == kStages) { stage = 0; phase ^= 1; }
+          if constexpr (Tr::kOverlapDK) {
+            // dK stays in flight into the next step; its Q stage is released there.
+          } else {
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdKrdK);
+            warpgroup_fence_operand(tdVrdV);
+            release(stage);
+          }
+          ++it;
         }
       }
+      warpgroup_wait<0>();  // unconditional: ptxas must see every GMMA retired before the epilogue
+      if (Tr::kOverlapDK && it != it_pass) release((it + kStages - 1) % kStages);
+      warpgroup_fence_operand(tdKrdK);
+      warpgroup_fence_operand(tdVrdV);
 
       // Epilogue of the pass: this pass's columns of dK (scaled) and dV, in the input dtype.
       const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;

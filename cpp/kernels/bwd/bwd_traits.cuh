@@ -37,16 +37,62 @@ using namespace cute;
 //   kStages   Q/dO/LSE/D shared-memory stages (TMA ring)
 //   kStagesdS dS buffers (2 lets the next step write dS while the other warpgroup still reads)
 template <int kHeadDim> struct BwdTile;
-// 64: tiny accumulators; 2 stages; smem 16+16 (K,V) + 32 (Q,dO x2) + 16 (dS x2) KB.
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
-// 96: dK+dV 96 regs; smem 24+24 + 48 + 16 KB.
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
-// 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32: fits 240; smem 32+32 + 64 + 32 = 160 KB.
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; };
+// kDQSmem: dQ leaves the consumers through a shared-memory tile that a dedicated warp adds to the
+// fp32 accumulator with one bulk reduce-add per warpgroup (cp.reduce.async.bulk); false: the
+// consumers add it with float4 atomics (only where the smem tile does not fit: d >= 192).
+// kOverlap: intra-warpgroup overlap. P = exp2(..) is computed while the dP^T GEMM runs, and the
+// dK GEMM of one step stays in flight across the dQ hand-off and the next step's S^T/dP^T issue
+// (its Q stage is released one step later). Costs 16-32 registers (dS^T of the step in flight).
+// 64: 64 query rows per step by default (spill-free with both overlaps). 128 rows
+//     (-DFA3_BWD_HD64_BLOCK_M=128, FA3's choice) halves the steps and their barriers/waits, but
+//     S^T + dP^T take 128 registers: without overlap ptxas spills 24 B (148 B softcap), with
+//     overlap 200+ B, so 128 rows run without overlap. smem 16+16 (K,V) + 64 (Q,dO x2)
+//     + 64 (dS x2) + 32 (dQ) = 192 KB at 128 rows.
+// Overlap defaults for the d <= 128 tiles (-DFA3_BWD_OVERLAP_P=0 / -DFA3_BWD_OVERLAP_DK=0 turn
+// one part off for A/B runs; ptxas: see NOTES.md).
+#ifndef FA3_BWD_OVERLAP_P
+#define FA3_BWD_OVERLAP_P 1
+#endif
+#ifndef FA3_BWD_OVERLAP_DK
+#define FA3_BWD_OVERLAP_DK 1
+#endif
+// d >= 192 (atomic dQ, column passes): overlap on for 192 (0 / 8 B spills), off for 256 (see
+// NOTES.md).
+#ifndef FA3_BWD_HD192_OVERLAP
+#define FA3_BWD_HD192_OVERLAP 1
+#endif
+#ifndef FA3_BWD_HD256_OVERLAP
+#define FA3_BWD_HD256_OVERLAP 0
+#endif
+// Q/dO/LSE/D ring depth. With the dK overlap a stage is released one step late, so with 2
+// stages the TMA for step i+2 starts only once step i+1 is under way; short steps (small head
+// dims) get a third stage where smem allows (hd64: 144 KB, hd96: 200 KB; hd128 would need
+// 224 KB + stats: see NOTES.md).
+#ifndef FA3_BWD_HD64_STAGES
+#define FA3_BWD_HD64_STAGES 3
+#endif
+#ifndef FA3_BWD_HD96_STAGES
+#define FA3_BWD_HD96_STAGES 3
+#endif
+#ifndef FA3_BWD_HD128_STAGES
+#define FA3_BWD_HD128_STAGES 2
+#endif
+#ifndef FA3_BWD_HD64_OVERLAP128
+#define FA3_BWD_HD64_OVERLAP128 0
+#endif
+#ifndef FA3_BWD_HD64_BLOCK_M
+#define FA3_BWD_HD64_BLOCK_M 64  // 128: see the comment below (A/B candidate, spills with overlap)
+#endif
+template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P && (kBlockM == 64 || FA3_BWD_HD64_OVERLAP128), kOverlapDK = FA3_BWD_OVERLAP_DK && (kBlockM == 64 || FA3_BWD_HD64_OVERLAP128); };
+// 96: dK+dV 96 regs; smem 24+24 + 48 + 16 + 24 (dQ) KB.
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kStages = FA3_BWD_HD96_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
+// 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
+//      + 32 (dQ) = 192 KB.
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kStages = FA3_BWD_HD128_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer).
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; };
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD192_OVERLAP, kOverlapDK = FA3_BWD_HD192_OVERLAP; };
 // 256: two passes of 128; dQ in two chunks; smem 64+64 + 64 (one stage) + 16 = 208 KB.
-template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; };
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD256_OVERLAP, kOverlapDK = FA3_BWD_HD256_OVERLAP; };
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -81,6 +127,31 @@ struct BwdTraits {
   static constexpr int kDQChunks = Tile::kDQChunks;
   static constexpr int kHdPass = kHeadDim / kPasses;     // dK/dV columns per pass
   static constexpr int kHdChunk = kHeadDim / kDQChunks;  // dQ columns per chunk (both WGs)
+  // Compile-time switches (tile table defaults; -DFA3_BWD_DQ_ATOMIC / -DFA3_BWD_NO_OVERLAP force
+  // the v1 behaviour for A/B measurements and as a fallback).
+#ifdef FA3_BWD_DQ_ATOMIC
+  static constexpr bool kDQSmem = false;
+#else
+  static constexpr bool kDQSmem = Tile::kDQSmem;
+#endif
+#ifdef FA3_BWD_NO_OVERLAP
+  static constexpr bool kOverlapP = false, kOverlapDK = false;
+#else
+  static constexpr bool kOverlapP = Tile::kOverlapP, kOverlapDK = Tile::kOverlapDK;
+#endif
+  // LSE/D per accumulator column through lane shuffles (bwd_main.cuh): kBlockM/32 registers per
+  // statistic instead of up to kBlockM/4 hoisted smem loads (hd128: 20 B of spills -> 0).
+#ifdef FA3_BWD_SHUFFLE_STATS
+  static constexpr bool kShuffleStats = FA3_BWD_SHUFFLE_STATS;
+#else
+  static constexpr bool kShuffleStats = true;
+#endif
+  static_assert(kBlockM % 64 == 0);
+  static_assert(!kDQSmem || (kPasses == 1 && kDQChunks == 1 && kNumMmaWG == 2), "smem dQ path: one pass, one chunk, 2 WGs");
+  // Floats of one warpgroup's dQ tile (its half of the columns), in fragment order.
+  static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
+  static constexpr uint32_t kDQWgBytes = kDQWgFloats * sizeof(float);
+  static_assert(kDQWgBytes % 16 == 0);
   // setmaxnreg can only move registers within what the CTA got at launch: 384 threads x 168
   // (the __launch_bounds__(384, 1) cap) = 64512 = 128 x 24 + 256 x 240. Asking for more than
   // the pool (e.g. 32/240 = 65536) makes the consumers' setmaxnreg.inc wait forever.
@@ -160,6 +231,8 @@ struct BwdTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> ds;
     cute::array_aligned<float, kStages * kBlockM, 16> lse;    // log2-domain LSE per stage
     cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per stage
+    // dQ tile of each consumer warpgroup (fragment order), read by the dQ writer's bulk reduce.
+    cute::array_aligned<float, kDQSmem ? kNumMmaWG * kDQWgFloats : 4, 128> dq;
     uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];

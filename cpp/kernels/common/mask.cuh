@@ -67,6 +67,19 @@ struct BandMask {
       }
     }
   }
+
+  // Only the end of the key range: for problems whose band reaches past both ends.
+  template <class TS, class TC>
+  CUTE_DEVICE void apply_seqlen_k(TS& scores, TC const& coord, int col0) const {
+    int limit = seqlen_k - col0;  // keys at column >= limit do not exist
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(scores); ++c) {
+      if (get<1>(coord(0, c)) >= limit) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(scores); ++r) scores(r, c) = -INFINITY;
+      }
+    }
+  }
 };
 
 }  // namespace fa3

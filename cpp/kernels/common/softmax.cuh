@@ -39,7 +39,27 @@ CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
   for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
 }
 
-template <int kRows>
+// 2^x for x <= 0 (or -inf) on the FMA pipe, for the share of a block's exponentials that
+// OnlineSoftmax moves off MUFU.EX2 (16/clk/SM, the limit at d = 64). Round x to an integer j
+// with the 1.5 * 2^23 trick (t = x + C: its low mantissa bits hold j), r = x - j in [-0.5, 0.5],
+// 2^r by a degree-3 polynomial fitted for relative error (max 1.1e-4: below the rounding of P
+// to bf16/fp16), then add j to the exponent field. (C << 23) has no bits below 2^32, so
+// bits(t) << 23 == j << 23 and the scaling is one integer multiply-add. x is clamped to -127:
+// -inf (masked scores) gives r = 0, p = 1 and bits 0x3F800000 - (127 << 23) = 0, i.e. +0.0
+// exactly, like exp2f; x in [-127, -126) gives a denormal bit pattern (>= 0, flushed later).
+// NaN maps to 0 (exp2f would give NaN).
+CUTE_DEVICE float exp2_fma(float x) {
+  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+  x = fmaxf(x, -127.f);
+  float t = x + kRound;
+  float r = x - (t - kRound);
+  float p = fmaf(fmaf(fmaf(0.05459282547f, r, 0.24221783876f), r, 0.69336861372f), r, 1.f);
+  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
+// kEmuEvery > 0: every kEmuEvery-th column of a block is exponentiated by exp2_fma instead of
+// MUFU.EX2 (see above); 0: all by exp2f.
+template <int kRows, int kEmuEvery = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums
@@ -61,23 +81,41 @@ struct OnlineSoftmax {
   template <bool kFirst, class TS>
   CUTE_DEVICE void update(TS& s, float (&alpha)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
+    constexpr int kCols = decltype(size<1>(s))::value;
+    // Row max over 4 independent chains (then combined): a single fmax chain is kCols deep
+    // (44 at 176-wide blocks), and its latency sits right before the exp2s on the critical path
+    // of the softmax, with only 2-3 consumer warps per scheduler to hide it.
+    constexpr int kChains = kCols % 4 == 0 ? 4 : (kCols % 2 == 0 ? 2 : 1);
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
+      float mc[kChains];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kChains; ++k) mc[k] = s(r, k);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = kChains; c < kCols; ++c) mc[c % kChains] = fmaxf(mc[c % kChains], s(r, c));
       float m = kFirst ? -INFINITY : row_max[r];
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) m = fmaxf(m, s(r, c));
+      for (int k = 0; k < kChains; ++k) m = fmaxf(m, mc[k]);
       m = quad_max(m);
       // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
       float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
       if constexpr (!kFirst) {
-        alpha[r] = exp2f(row_max[r] * scale_log2 - m_scaled);  // exp2(-inf) = 0; 1 if unchanged
+        // Exactly 1 when the max did not move (the caller then skips the O rescale; with the
+        // product fused into the subtraction the exponent would be a rounding residual, not 0);
+        // exp2(-inf) = 0 when the row had no key before.
+        alpha[r] = m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
         row_sum[r] *= alpha[r];
       }
       row_max[r] = m;
       float sum = kFirst ? 0.f : row_sum[r];
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_scaled));
+        float x = fmaf(s(r, c), scale_log2, -m_scaled);
+        if constexpr (kEmuEvery > 0) {
+          s(r, c) = (c % kEmuEvery == kEmuEvery - 1) ? exp2_fma(x) : exp2f(x);
+        } else {
+          s(r, c) = exp2f(x);
+        }
         sum += s(r, c);
       }
       row_sum[r] = sum;

@@ -10,8 +10,8 @@
 //     softmax in registers (exp2 domain, scale folded in), O += P V by RS-WGMMA with P converted
 //     in registers. Intra-warpgroup overlap: the Q K^T of block n is issued together with the
 //     P V of block n+1, and the softmax of block n runs while that P V is in flight.
-//     Ping-pong (kPingPong): named barriers order the two consumer warpgroups' GEMM issue so
-//     that one's softmax overlaps the other's GEMMs.
+//     Ping-pong (kPingPong): named barriers order the consumer warpgroups' GEMM issue (round
+//     robin with three) so that one's softmax overlaps the others' GEMMs.
 //   * epilogue: O normalised, converted, written with stmatrix into the consumer's own Q slab
 //     (Q is dead by then), TMA-stored; LSE fp32 written directly. The slab is handed back to the
 //     producer (q_empty barrier) once the store has read it.
@@ -32,7 +32,7 @@
 namespace fa3 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kPingPong_ = false>
+          bool kPingPong_ = false, bool kBanded_ = true, int kExp2EmuEvery_ = 0>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,16 +40,30 @@ struct FwdTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   static constexpr bool kPingPong = kPingPong_;
+  // false: the caller guarantees the band does not cut into the key range (both sides reach
+  // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
+  static constexpr bool kBanded = kBanded_;
+  // > 0: every kExp2EmuEvery-th softmax exponential on the FMA pipe (exp2_fma in
+  // common/softmax.cuh) instead of MUFU.EX2; for head dims where MUFU limits (d = 64).
+  static constexpr int kExp2EmuEvery = kExp2EmuEvery_;
+  // Epilogue: true: O goes from registers straight to global memory (4-byte stores of column
+  // pairs), so the Q slabs are free after the tile's last Q K^T and the producer loads the next
+  // tile's Q while this tile's last softmax, P V and epilogue run (persistent grid). false: O is
+  // staged in the Q slab (stmatrix) and TMA-stored; the next Q waits for that store (v1-v3).
+  static constexpr bool kDirectO = true;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
   // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
-  //   2 consumers: 128 * 24 + 256 * 240 = 64512;   3 consumers: 128 * 32 + 384 * 160 = 65536.
-  static constexpr int kProducerRegs = kNumMmaWG == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kNumMmaWG == 2 ? 240 : 160;
+  //   2 consumers: 128 * 24 + 256 * 240 = 64512 (the pool of 384 threads x 168 registers);
+  //   3 consumers: 128 * 32 + 384 * 160 = 65536.
+  // Banded kernels carry the dynamic tile schedule (Params::tile_counter), whose producer code
+  // spilled at 24 registers: 128 * 40 + 256 * 232 = 64512 as well (the consumers peak at R223).
+  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
-  static_assert(!kPingPong || kNumMmaWG == 2, "ping-pong schedules two consumer warpgroups");
 
   using D = Int<kHeadDim>;
   using BN = Int<kBlockN>;
@@ -78,7 +92,8 @@ struct FwdTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     alignas(16) uint64_t q_full;   // TMA of the Q tile landed
-    alignas(16) uint64_t q_empty;  // every consumer's O store has read its slab
+    alignas(16) uint64_t q_empty;  // the consumers are done with the Q slabs (see kDirectO)
+    int tile;                      // dynamic schedule: the tile of the q_full phase (>= num_tiles: end)
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
   };
@@ -104,13 +119,19 @@ struct FwdTraits {
     BandMask mask;
     SoftmaxScale scale;
     float* lse;
+    Element* out;  // (batch, seqlen_q, heads_q, d), for the direct O epilogue
     StaticTileScheduler sched;
+    // Dynamic schedule when set (zeroed before the launch): CTA b starts with tile b, and the
+    // producer takes each next tile as gridDim.x + atomicAdd(tile_counter, 1), i.e. the tiles
+    // in sched order, each to whichever CTA is free first (greedy longest-first for bands, on
+    // a persistent grid). nullptr: the static order t = blockIdx.x + k * gridDim.x.
+    int* tile_counter;
   };
 
   // Named barrier ids (CUTLASS reserves the ones below its FirstUserBarrier; NamedBarrier adds
   // that offset): one per consumer warpgroup for the epilogue, two for the ping-pong.
   static constexpr int kBarEpilogue = 0;               // + wg, wg < 3
-  static constexpr int kBarPingPong = kBarEpilogue + 3;  // + wg, wg < 2
+  static constexpr int kBarPingPong = kBarEpilogue + 3;  // + wg, wg < 3
 };
 
 template <class T>
@@ -134,7 +155,16 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
   int q_empty_phase = 0;
   bool first_tile = true;
   int const num_tiles = p.sched.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  // The next tile: claimed once this tile's loads are issued (the producer then waits for a
+  // free stage anyway). Nothing extra stays live across the body: the producer has 24
+  // registers, and a precomputed next tile and flag spilled.
+  auto next_tile = [&](int t) {
+    if constexpr (T::kDynamicSchedule) {
+      if (p.tile_counter != nullptr) return int(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    }
+    return t + int(gridDim.x);
+  };
+  for (int t = blockIdx.x; t < num_tiles; t = next_tile(t)) {
     TileCoord c = p.sched.decode(t);
     int row_lo = c.m_block * T::kBlockM;
     int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
@@ -160,6 +190,8 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
       q_empty_phase ^= 1;
     }
     first_tile = false;
+    // Every consumer warp has read the previous slot (at its tile start, before q_empty).
+    if (T::kDynamicSchedule && p.tile_counter != nullptr) ss.tile = t;
     if (n_begin >= n_end) {
       // No visible key: nothing to load; the consumers write O = 0, LSE = -inf. Still complete
       // a q_full phase, so that consumers never run more than one tile ahead of the producer
@@ -186,6 +218,13 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
       copy(p.tma_v.with(*pipe_v.producer_get_barrier(v_state)), tVgV(_, n), tVsV(_, v_state.index()));
       ++v_state;
     }
+  }
+  // Dynamic schedule: one more q_full phase with an end marker, once the consumers are past
+  // their last tile's start (q_empty), so that they leave their loop.
+  if (T::kDynamicSchedule && p.tile_counter != nullptr && !first_tile) {
+    ClusterBarrier::wait(&ss.q_empty, q_empty_phase);
+    ss.tile = num_tiles;
+    ClusterBarrier::arrive(&ss.q_full);
   }
 }
 
@@ -220,7 +259,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   constexpr int kRows = decltype(size<0>(S))::value;
   static_assert(kRows == 2);
 
-  OnlineSoftmax<kRows> softmax(p.scale.scale_log2);
+  OnlineSoftmax<kRows, T::kExp2EmuEvery> softmax(p.scale.scale_log2);
   // K and V blocks are produced in lockstep (block j sits in stage j % kStages of both rings),
   // so one read state serves both pipelines.
   typename T::PipelineState read;  // consumers start at phase 0
@@ -228,21 +267,46 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   bool const softcap = p.scale.softcap;
   float const pre_tanh = p.scale.pre_tanh;
 
-  // Ping-pong: warpgroup wg may issue its GEMMs once the other one has issued its own.
+  // Ping-pong (round robin with three consumer warpgroups): warpgroup wg may issue its GEMMs
+  // once the previous one, (wg - 1) mod kNumMmaWG, has issued its own; it then hands the turn to
+  // (wg + 1) mod kNumMmaWG. Barrier kBarPingPong + w is synced by warpgroup w and arrived at by
+  // its predecessor (2 x 128 threads). The branches on wg keep the barrier ids immediates (a
+  // register id stayed live across the main loop and was spilled).
+  constexpr int kWG = T::kNumMmaWG;
   auto pingpong_wait = [&]() {
-    if constexpr (T::kPingPong) NamedBarrier::sync(2 * 128, T::kBarPingPong + wg);
+    if constexpr (T::kPingPong) {
+      if (wg == 0) NamedBarrier::sync(2 * 128, T::kBarPingPong + 0);
+      else if (kWG == 2 || wg == 1) NamedBarrier::sync(2 * 128, T::kBarPingPong + 1);
+      else NamedBarrier::sync(2 * 128, T::kBarPingPong + 2);
+    }
   };
   auto pingpong_signal = [&]() {
-    if constexpr (T::kPingPong) NamedBarrier::arrive(2 * 128, T::kBarPingPong + (1 - wg));
+    if constexpr (T::kPingPong) {
+      if (wg == 0) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 1);
+      else if (kWG == 3 && wg == 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 2);
+      else NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
+    }
   };
 
-  // Warpgroup 0 issues first: give it the turn that warpgroup 1 would otherwise hand over.
+  // Warpgroup 0 issues first: give it the turn that the last warpgroup would otherwise hand over.
   if constexpr (T::kPingPong) {
-    if (wg == 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
+    if (wg == kWG - 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
   }
 
   int const num_tiles = p.sched.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+  bool const dynamic = T::kDynamicSchedule && p.tile_counter != nullptr;
+  for (int t = blockIdx.x;; t += int(gridDim.x)) {
+    if (!dynamic && t >= num_tiles) break;
+    clear(tOrO);
+    softmax.reset();
+    // Completed by the TMA of Q, or by a plain arrive for a tile without keys (or, dynamic
+    // schedule, for the end marker).
+    ClusterBarrier::wait(&ss.q_full, q_phase);
+    q_phase ^= 1;
+    if (dynamic) {
+      t = ss.tile;
+      if (t >= num_tiles) break;
+    }
     TileCoord c = p.sched.decode(t);
     int row_lo = c.m_block * T::kBlockM;
     int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
@@ -251,16 +315,27 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // This warpgroup's rows, for the interior test (rows past seqlen_q are never stored).
     int wrow_lo = row_lo + wg * 64;
     int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
-
-    clear(tOrO);
-    softmax.reset();
-    // Completed by the TMA of Q, or by a plain arrive for a tile without keys.
-    ClusterBarrier::wait(&ss.q_full, q_phase);
-    q_phase ^= 1;
+    // kDirectO: hand the Q slabs back as soon as this warp's last Q K^T has completed (its
+    // wgmma wait is warp-synchronous, so lane 0 arrives for the warp).
+    auto release_q = [&]() {
+      if constexpr (T::kDirectO) {
+        if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(&ss.q_empty);
+      }
+    };
+    if (n_begin >= n_end) release_q();  // no key: Q is never read
     if (n_begin < n_end) {
       float alpha[kRows];
 
-      // Last key block first (it may be a boundary block): S, softmax, P.
+      auto apply_mask = [&](int n) __attribute__((always_inline)) {
+        if constexpr (T::kBanded) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        else p.mask.apply_seqlen_k(S, cS, n * T::kBlockN);
+      };
+
+      auto interior = [&](int n) {
+        return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
+      };
+
+      // Last key block first (it may be a boundary block): S and its softmax.
       int n = n_end - 1;
       pipe_k.consumer_wait(read);
       pingpong_wait();
@@ -269,50 +344,64 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(read);
+      if (n == n_begin) release_q();
       if (softcap) apply_softcap(tSrS, pre_tanh);
-      if (!p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN))
-        p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+      if (!interior(n)) apply_mask(n);
       softmax.template update<true>(S, alpha);
-      convert_into(tSrS, tOrP);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
+      bool pv_pending = false;  // a P V (and its V stage) is in flight
+      typename T::PipelineState read_v;  // that V stage
 
-      // Steady state: S_n = Q K_n^T and O += P_{n+1} V_{n+1} in flight together; the softmax
-      // of S_n runs while P V is still computing. Three loops so that the interior blocks (the
-      // bulk of the work) run a body without any mask code: boundary blocks on the right
-      // (causal diagonal, ragged end of seqlen_k), interior blocks, boundary blocks on the left
-      // (sliding window). Interior blocks form one contiguous range, so this covers every block.
-      auto step = [&](int n, auto masked) __attribute__((always_inline)) {
-        auto read_v = read;  // block n + 1
-        ++read;              // block n
+      // Steady state: S_n = Q K_n^T and O += P_{n+1} V_{n+1} in flight together, and the
+      // softmax of S_n runs while P V is still computing. Each block is split in two:
+      //   head(n): issue Q K_n^T and P_{n+1} V_{n+1}, wait for S_n, mask, softmax;
+      //   tail():  wait for P V, release V_{n+1}, rescale O, convert P_n into the A operand.
+      // The loop body is tail() of the previous block, then head(n), so the wait for P V opens
+      // the loop body's first basic block and the softmax closes the previous one. With both in
+      // one block, ptxas (nvcc 13.0) hoisted the wait above the softmax (WARPGROUP.DEPBAR.LE
+      // gsb0, 0x0 right before the row max, in every loop of v1-v3): the softmax never
+      // overlapped P V. It does not move the wait across the back-edge. One loop with one Q K^T
+      // and one P V issue site: with v2's three loops (masked / interior / masked) rotated this
+      // way, ptxas serialised every WGMMA (C7512, insufficient registers: it gave each loop's
+      // P V its own P registers). The mask is a uniform branch on the block instead; it is
+      // skipped on interior blocks, the bulk of the work.
+      auto tail = [&]() __attribute__((always_inline)) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        if (pv_pending) pipe_v.consumer_release(read_v);
+        // Rescale O only when some row max of this warp moved (alpha == 1 exactly otherwise:
+        // exp2 of an exact 0), which after the first blocks is rare: saves d/2 FMULs per block.
+        bool same_max = true;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
+        if (!__all_sync(0xffffffffu, same_max)) scale_rows(O, alpha);
+        convert_into(tSrS, tOrP);
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (--n; n >= n_begin; --n) {
+        tail();
+        read_v = read;  // block n + 1
+        ++read;         // block n
         pipe_k.consumer_wait(read);
         pingpong_wait();
         wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
         pipe_v.consumer_wait(read_v);
         wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
         pingpong_signal();
+        pv_pending = true;
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(read);
+        if (n == n_begin) release_q();
         if (softcap) apply_softcap(tSrS, pre_tanh);
-        if constexpr (decltype(masked)::value) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        if (!interior(n)) apply_mask(n);
         softmax.template update<false>(S, alpha);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrP);
-        pipe_v.consumer_release(read_v);
-        scale_rows(O, alpha);
-        convert_into(tSrS, tOrP);
-      };
-      auto interior = [&](int n) {
-        return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
-      };
-      --n;
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; n >= n_begin && !interior(n); --n) step(n, cute::true_type{});
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; n >= n_begin && interior(n); --n) step(n, cute::false_type{});
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; n >= n_begin; --n) step(n, cute::true_type{});
+      }
+      tail();
 
+      // P V of the first key block.
       pipe_v.consumer_wait(read);
       pingpong_wait();
       wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
@@ -336,23 +425,45 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         if (row < p.seqlen_q) lse_bh[row] = lse[r];
       }
     }
-    Tensor rO = make_tensor<Element>(tOrO.layout());
-    convert_into(tOrO, rO);
-    auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-    auto thr_copy_o = copy_o.get_thread_slice(tid);
-    Tensor tOrO_s = thr_copy_o.retile_S(rO);
-    Tensor tOsO = thr_copy_o.partition_D(sQw);
-    copy(copy_o, tOrO_s, tOsO);
-    cutlass::arch::fence_view_async_shared();  // stmatrix writes -> visible to the TMA store
-    NamedBarrier::sync(128, T::kBarEpilogue + wg);
-    if (tid == 0) {
-      Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
-      Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));
-      auto [tOgO, tOsO_tma] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
-      copy(p.tma_o, tOsO_tma(_, wg), tOgO(_, c.m_block * T::kNumMmaWG + wg));
-      tma_store_arrive();
-      tma_store_wait<0>();  // the slab has been read; the producer may load the next Q into it
-      ClusterBarrier::arrive(&ss.q_empty);
+    if constexpr (T::kDirectO) {
+      // Each thread holds column pairs (c, c + 1) of 2 rows: one 4-byte store per pair; the 4
+      // threads of a quad cover 16 contiguous bytes of a row, and L2 merges the sectors.
+      Tensor cO = rowcol_view(thr_pv.partition_C(make_identity_tensor(Shape<_64, D>{})));
+      Element* o_bh = p.out + (int64_t(c.batch) * p.seqlen_q * p.heads_q + c.head) * T::kHeadDim;
+      int64_t const row_stride = int64_t(p.heads_q) * T::kHeadDim;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = wrow_lo + get<0>(cO(r, 0));
+        if (row < p.seqlen_q) {
+          Element* o_row = o_bh + row * row_stride;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(O); j += 2) {
+            cutlass::Array<Element, 2> pair;
+            pair[0] = Element(O(r, j));
+            pair[1] = Element(O(r, j + 1));
+            *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
+          }
+        }
+      }
+    } else {
+      Tensor rO = make_tensor<Element>(tOrO.layout());
+      convert_into(tOrO, rO);
+      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
+      auto thr_copy_o = copy_o.get_thread_slice(tid);
+      Tensor tOrO_s = thr_copy_o.retile_S(rO);
+      Tensor tOsO = thr_copy_o.partition_D(sQw);
+      copy(copy_o, tOrO_s, tOsO);
+      cutlass::arch::fence_view_async_shared();  // stmatrix writes -> visible to the TMA store
+      NamedBarrier::sync(128, T::kBarEpilogue + wg);
+      if (tid == 0) {
+        Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
+        Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));
+        auto [tOgO, tOsO_tma] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
+        copy(p.tma_o, tOsO_tma(_, wg), tOgO(_, c.m_block * T::kNumMmaWG + wg));
+        tma_store_arrive();
+        tma_store_wait<0>();  // the slab has been read; the producer may load the next Q into it
+        ClusterBarrier::arrive(&ss.q_empty);
+      }
     }
   }
 }
@@ -369,7 +480,9 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kNumMmaWG);
+    // kDirectO: one arrival per consumer warp after its last Q K^T; else one per consumer
+    // warpgroup after its O store has read the slab.
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kNumMmaWG * 4 : T::kNumMmaWG);
   }
   typename T::Pipeline::Params pp;
   pp.transaction_bytes = T::kBlockN * T::kHeadDim * int(sizeof(typename T::Element));

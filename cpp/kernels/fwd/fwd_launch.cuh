@@ -14,7 +14,8 @@ namespace fa3 {
 
 // Tile table per head dim: `full` runs unmasked problems, `banded` problems whose band cuts
 // into the key range (causal, local, shifted). FwdTraits<Element, d, kBlockM, kBlockN, kStages,
-// kPingPong>; kBlockM / 64 consumer warpgroups.
+// kPingPong, kBanded>; kBlockM / 64 consumer warpgroups; a `full` type may set kBanded = false
+// (only the seqlen_k mask compiled in), a `banded` one must not.
 // Limits that drive it: 227 KB of shared memory (Q tile + kStages x (K + V) blocks); registers
 // per consumer thread (240 with 2 consumer warpgroups), which must hold the O accumulator
 // (d/2 fp32), S (kBlockN/2 fp32) and P (kBlockN/4 packed) at once, plus S of the next block
@@ -25,26 +26,35 @@ namespace fa3 {
 template <typename Element, int kHeadDim>
 struct FwdTileTable;
 
-// d = 64: 128 x 128, 2 stages (96 KB). 192 x 128 (three consumer warpgroups at 160 registers)
-// spilled 48 bytes under the 128-register entry cap of a 512-thread CTA.
+// d = 64: unmasked 192 x 128 (FA3's choice): three consumer warpgroups (setmaxnreg 160; O 32 +
+// S 64 + P 32 registers) share each K/V block, so a block's load and the producer's work serve
+// 1.5x the query rows, and the round-robin turn order keeps two warpgroups' GEMMs queued behind
+// one's softmax (at d = 64 the softmax is half of a block's work). 4 stages (24 + 4 x 2 x 16 =
+// 152 KB; one CTA per SM anyway): the persistent producer runs up to 4 blocks ahead, i.e. into
+// the next tile, which hides the tile switch at short key lengths (4 blocks at 512).
+// Spill-free (R151) only with the seqlen_k-only mask: with the band mask 56-76 bytes spilled
+// inside the main loop, so banded problems keep 128 x 128 (96 KB; square tiles also waste the
+// least on a causal diagonal). If the 192-row tile fails on the GPU, set `full` = `banded`.
 template <typename E>
 struct FwdTileTable<E, 64> {
-  using full = FwdTraits<E, 64, 128, 128, 2, true>;
-  using banded = full;
+  using full = FwdTraits<E, 64, 192, 128, 4, true, false>;
+  using banded = FwdTraits<E, 64, 128, 128, 2, true, true>;
 };
-// d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 112 KB.
+// d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 3 stages (24 + 3 x 2 x 24 = 168 KB) so the
+// persistent producer runs into the next tile (see d = 64).
 template <typename E>
 struct FwdTileTable<E, 96> {
-  using full = FwdTraits<E, 96, 128, 128, 2, true>;
+  using full = FwdTraits<E, 96, 128, 128, 3, true>;
   using banded = full;
 };
-// d = 128: 128 x 128 (O 64 + S 64 + P 32 registers; 160 KB of smem). 128 x 176 (FA3's
-// choice for unmasked problems) and 128 x 160 spilled 72-164 bytes at 240 registers with this
-// consumer; left for later (cpp/kernels/NOTES.md).
+// d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
+// smem; O 64 + S 88 + P 44 registers). It fits 240 registers without spills only with the
+// seqlen_k-only mask (kBanded = false: 56-120 bytes spilled with the band mask). Banded
+// problems: 128 x 128 (square tiles waste least on the causal diagonal; 160 KB).
 template <typename E>
 struct FwdTileTable<E, 128> {
-  using full = FwdTraits<E, 128, 128, 128, 2, true>;
-  using banded = full;
+  using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
+  using banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
 };
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
@@ -64,6 +74,23 @@ struct FwdTileTable<E, 256> {
 inline bool band_limits_work(const FwdParams& fp) {
   int64_t reach = int64_t(fp.shape.seqlen_q) + fp.shape.seqlen_k;
   return int64_t(fp.opts.window_left) < reach || int64_t(fp.opts.window_right) < reach;
+}
+
+// Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
+// tile_counter; 16 bytes of FFI scratch, zeroed by a memset node before the kernel) instead of
+// one CTA per tile: the same greedy longest-first order, without a CTA start and a cold Q load
+// per tile, and with the next tile's Q and K loaded under this tile's end. Off until measured
+// (compile-checked only). Enabling it also needs the FFI handler to allocate the scratch
+// (fwd_workspace_bytes) and pass it as FwdParams::workspace: branch fwd-next-dyn does both.
+constexpr bool kFwdDynamicBanded = false;
+
+inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
+  return kFwdDynamicBanded && band_limits_work(fp);
+}
+
+template <typename Element, int kHeadDim>
+size_t fwd_workspace_bytes_impl(const FwdParams& fp) {
+  return fwd_uses_dynamic_schedule(fp) ? 16 : 0;
 }
 
 template <class T>
@@ -106,7 +133,9 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       BandMask{s.seqlen_q, s.seqlen_k, fp.opts.window_left, fp.opts.window_right},
       SoftmaxScale::make(fp.opts.softmax_scale, fp.opts.softcap),
       fp.lse,
+      static_cast<Element*>(fp.out),
       sched,
+      T::kDynamicSchedule && fwd_uses_dynamic_schedule(fp) ? static_cast<int*>(fp.workspace) : nullptr,
   };
   return p;
 }
@@ -120,7 +149,11 @@ cudaError_t launch_fwd(const FwdParams& fp, cudaStream_t stream) {
   // CTA per tile, in longest-first order, so that the hardware hands the next tile to whichever
   // SM frees up first: a greedy longest-first schedule within 1% of ideal in simulation, where
   // a static round-robin was 6-50% off (cpp/kernels/NOTES.md).
-  int grid = p.sched.longest_first ? num_tiles : std::min(num_tiles, num_sms);
+  // With a dynamic counter the grid is persistent for banded problems too.
+  int grid = p.sched.longest_first && p.tile_counter == nullptr ? num_tiles : std::min(num_tiles, num_sms);
+  if (p.tile_counter != nullptr) {
+    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
+  }
   auto kernel = fwd_kernel<T>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
       e != cudaSuccess)

@@ -1,6 +1,6 @@
 // Host check (no GPU) of the backward's register and shared-memory index maps, per head dim:
 // the S^T accumulator re-viewed as the RS-WGMMA A operand of dV/dK holds the same (key, query)
-// elements; dQ/dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the
+// elements; the shuffled-statistics column map holds; dQ/dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the
 // chunk exactly once (postprocess inverse); transposed smem views are true transposes.
 // Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //   -I cpp/include -I cpp/kernels -I <cutlass include> layout_check.cu -o /tmp/check && /tmp/check
@@ -35,6 +35,14 @@ int check() {
         if (bad < 5) printf("hd %d ct %d i %d: A (%d,%d) vs C (%d,%d)\n", HD, ct, i, (int)get<0>(a), (int)get<1>(a), (int)get<0>(c), (int)get<1>(c));
         ++bad;
       }
+    }
+    // Shuffled statistics (kShuffleStats): element i of the S^T accumulator is query column
+    // 8 (i / 4) + 2 (lane % 4) + i % 2, which lane (column % 64) / 2 holds in float2 column / 64.
+    for (int i = 0; i < size(cS); ++i) {
+      int col = get<1>(cS(i));
+      int want = 8 * (i / 4) + 2 * (ct % 4) + i % 2;
+      int src_lane = 4 * ((i / 4) % 8) + ct % 4, h = (i / 4) / 8;
+      if (col != want || col != h * 64 + 2 * src_lane + i % 2) ++bad;
     }
     // dQ fragment and dK/dV coordinates sanity: pairs (2k, 2k+1) adjacent columns.
     typename Tr::MmadQ mma_dq;

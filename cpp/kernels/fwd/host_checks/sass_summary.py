@@ -1,0 +1,62 @@
+"""Per-kernel summary of a cuobjdump -sass listing: HGMMA count, local-memory instructions
+(LDL/STL: spills), the highest register used, and the order of WGMMA waits against the softmax
+exponentials in each loop (a wait of P V before the exp2s means no intra-warpgroup overlap).
+Usage: python3 sass_summary.py file.sass"""
+import re
+import sys
+
+
+def short(name):
+    m = re.search(r"FwdTraitsIN7cutlass(\d+)(\w+?)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)(?:ELb(\d))?", name)
+    if not m:
+        return name
+    elem = m.group(2)[:m.group(1) and int(m.group(1))]
+    return f"fwd<{elem}, d={m.group(3)}, {m.group(4)}x{m.group(5)}, stages={m.group(6)}, pp={m.group(7)}" + (
+        f", banded={m.group(8)}>" if m.group(8) else ">")
+
+
+def main(path):
+    funcs, cur = {}, None
+    for line in open(path):
+        m = re.search(r"Function : (\S+)", line)
+        if m:
+            cur = m.group(1)
+            funcs[cur] = []
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and cur:
+            funcs[cur].append((int(m.group(1), 16), m.group(2)))
+    for f, ins in funcs.items():
+        text = [i for _, i in ins]
+        hg = sum("HGMMA" in t for t in text)
+        local = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in text)
+        regs = [int(r) for t in text for r in re.findall(r"\bR(\d+)\b", t)]
+        # Innermost loops with WGMMA (backward branches whose body holds no other loop): does a
+        # "WARPGROUP.DEPBAR.LE gsb0, 0x0" (wait for every WGMMA) sit between the last HGMMA
+        # issued and the exp2s of the softmax? Then the softmax waits for P V: no overlap.
+        spans = []
+        for addr, t in ins:
+            m = re.search(r"BRA (?:\w+, )?0x([0-9a-f]+)", t)
+            if m and int(m.group(1), 16) < addr:
+                spans.append((int(m.group(1), 16), addr))
+        loops = []
+        for lo, hi in spans:
+            if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
+                continue
+            body = [s for a, s in ins if lo <= a <= hi]
+            last_mma = max((k for k, s in enumerate(body) if "HGMMA" in s), default=None)
+            if last_mma is None:
+                continue
+            ex2 = [k for k, s in enumerate(body) if "MUFU.EX2" in s and k > last_mma]
+            if not ex2:
+                continue
+            blocked = any("DEPBAR.LE gsb0, 0x0" in s for s in body[last_mma:ex2[0]])
+            loops.append(f"[{lo:#x}-{hi:#x}]: {len(body)} instructions, {len(ex2)} exp2, softmax "
+                         + ("waits for P V (no overlap)" if blocked else "overlaps P V"))
+        print(f"{short(f)}: HGMMA={hg} LDL/STL={local} maxreg=R{max(regs) if regs else 0}")
+        for l in loops:
+            print("   loop", l)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
