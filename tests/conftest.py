@@ -34,7 +34,22 @@ def _multigpu_reason() -> str | None:
     return None if n >= 2 else f"needs 2 or more GPUs, found {n}"
 
 
+def _keep_shard(config, items):
+    """FA3_TEST_SHARD="k/n" keeps every n-th collected test starting at k (0-based), so n pytest
+    processes can share one GPU (scripts/gpu_cycle.sh TEST_SHARDS); the rest are deselected."""
+    spec = os.environ.get("FA3_TEST_SHARD")
+    if not spec:
+        return
+    k, n = (int(x) for x in spec.split("/"))
+    if not 0 <= k < n:
+        raise ValueError(f"FA3_TEST_SHARD={spec!r}: expected k/n with 0 <= k < n")
+    kept = [item for i, item in enumerate(items) if i % n == k]
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k])
+    items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     reasons = {}
     for item in items:
         for marker, check in (("multigpu", _multigpu_reason), ("gpu", _gpu_reason)):
