@@ -245,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--xla-max-seqlen", type=int, default=2048)
     p.add_argument("--target-ms", type=float, default=40.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tag", default="",
+                   help="suffix of the results files (e.g. the kernel version), so runs of one day do not overwrite each other")
     p.add_argument("--max-rel-err", type=float, default=0.02,
                    help="results further than this from the first implementation's are flagged suspect")
     args = p.parse_args(argv)
@@ -263,10 +265,11 @@ def main(argv=None) -> int:
         meta["jax_fa3_build"] = f"unavailable: {err}"
     records = run_grid(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"{date}-{meta['gpu']}"
+    meta["tag"] = args.tag
+    stem = args.out / "-".join(x for x in (date, meta["gpu"], args.tag) if x)
     stem.with_suffix(".json").write_text(json.dumps({**meta, "records": records}, indent=1))
     header = (f"# Attention benchmark, {date}, {meta['gpu']}, jax {meta['jax']}, {args.dtype}, "
-              f"batch*seqlen={args.tokens}, heads*head_dim={args.hidden} (TFLOP/s; ratios = jax_fa3 / peer)")
+              f"batch*seqlen={args.tokens}, heads*head_dim={args.hidden}{', ' + args.tag if args.tag else ''} (TFLOP/s; ratios = jax_fa3 / peer)")
     table = markdown(records, header)
     stem.with_suffix(".md").write_text(table)
     if records:

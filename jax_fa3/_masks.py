@@ -23,11 +23,6 @@ def band(causal: bool, window_size: tuple[int, int]) -> tuple[int, int]:
     return left, right
 
 
-def is_full_or_causal(left: int, right: int) -> bool:
-    """True for the unmasked band and the plain causal band (no finite window)."""
-    return left >= UNBOUNDED and right in (UNBOUNDED, 0)
-
-
 def clamp(bound: int) -> int:
     """A band bound as the kernels accept it: within [-UNBOUNDED, UNBOUNDED]."""
     return max(-UNBOUNDED, min(UNBOUNDED, int(bound)))

@@ -105,10 +105,6 @@ def attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: flo
     q, k, v = _validate.check_qkv(q, k, v)
     left, right = _masks.clamp(left), _masks.clamp(right)
     use_kernel = dlse is None and resolve_implementation(implementation, q, k, "bwd") == "cuda"
-    if deterministic and not _masks.is_full_or_causal(left, right):
-        # The kernel's ordered dQ accumulation has run on the H200 only for full and causal
-        # bands (2026-11-30); windows take the portable backward, deterministic by construction.
-        use_kernel = False
     if use_kernel:
         from jax_fa3 import _ops
         return _ops.bwd(q, k, v, out, lse, dout, softmax_scale=softmax_scale, softcap=softcap,

@@ -186,11 +186,7 @@ def test_long_sequence(causal):
 
 
 @pytest.mark.parametrize("left,right,hkv", [
-    (UNB, UNB, 4), (UNB, 0, 2),
-    # Not yet run on the GPU: the 2026-11-30 run's time limit ended during this case. The public
-    # API sends deterministic windowed backwards to the portable path until it has passed.
-    pytest.param(100, 50, 4, marks=pytest.mark.xfail(
-        reason="deterministic windowed backward not yet verified on the H200", strict=False)),
+    (UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4),
 ])
 def test_deterministic_bitwise(left, right, hkv):
     d = _first_compiled()
@@ -235,8 +231,7 @@ def test_gqa_window_many_steps(deterministic):
     """(Last in the file: a deterministic hang would end the suite here, not earlier.)
     GQA group of 4 with a window: each CTA walks a partial query-block range per head, so the
     dQ writer's pointer steps (next query block, next head of the group) and, deterministic, its
-    turn taking are all exercised; the kernel is called directly (the public API sends
-    deterministic windowed backwards to the portable path)."""
+    turn taking are all exercised; the kernel is called directly."""
     d = _first_compiled()
     b, sq, sk, hq, hkv, left, right = 2, 1000, 1100, 8, 2, 150, 60
     q, k, v = helpers.random_qkv(_next_key(), b, sq, sk, hq, hkv, d, jnp.bfloat16)
