@@ -247,7 +247,9 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
 
 
 def _fwd_calls(calls, cfg: RingConfig, q, k, v, acc):
-    """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse)."""
+    """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse).
+
+    Updates are dynamic_update_slice, not `.at[...].set`: see `_add_rows`."""
     attention_fwd, _ = _local_ops()
     o_acc, lse_acc = acc
     for c in calls:
@@ -256,9 +258,19 @@ def _fwd_calls(calls, cfg: RingConfig, q, k, v, acc):
                                left=c.left, right=c.right, implementation=cfg.implementation)
         o, lse = merge_partials(o_acc[:, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1],
                                 o.astype(jnp.float32), lse.astype(jnp.float32))
-        o_acc = o_acc.at[:, c.q0:c.q1].set(o)
-        lse_acc = lse_acc.at[:, :, c.q0:c.q1].set(lse)
+        o_acc = lax.dynamic_update_slice_in_dim(o_acc, o, c.q0, axis=1)
+        lse_acc = lax.dynamic_update_slice_in_dim(lse_acc, lse, c.q0, axis=2)
     return o_acc, lse_acc
+
+
+def _add_rows(acc, x, start):
+    """acc[:, start:start + x.shape[1]] += x (float32), as a static slice and update.
+
+    Not `acc.at[...].add`: a slice spanning the whole axis makes a scatter whose index is an
+    empty int32[0] constant, which JAX 0.11 hoists into shard_map as an operand; XLA's
+    Shardy partitioner then segfaults on it (JAX 0.11.2, CPU and GPU)."""
+    part = lax.slice_in_dim(acc, start, start + x.shape[1], axis=1) + x.astype(jnp.float32)
+    return lax.dynamic_update_slice_in_dim(acc, part, start, axis=1)
 
 
 def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, dlse, acc):
@@ -273,9 +285,9 @@ def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, dlse, acc):
             softcap=cfg.softcap, left=c.left, right=c.right, deterministic=cfg.deterministic,
             implementation=cfg.implementation,
             dlse=None if dlse is None else dlse[:, :, c.q0:c.q1])
-        dq = dq.at[:, c.q0:c.q1].add(gq.astype(jnp.float32))
-        dk = dk.at[:, c.k0:c.k1].add(gk.astype(jnp.float32))
-        dv = dv.at[:, c.k0:c.k1].add(gv.astype(jnp.float32))
+        dq = _add_rows(dq, gq, c.q0)
+        dk = _add_rows(dk, gk, c.k0)
+        dv = _add_rows(dv, gv, c.k0)
     return dq, dk, dv
 
 
