@@ -6,7 +6,7 @@
 #    wheel or $CUTLASS_DIR), 3. summarises the SASS (HGMMA count, local-memory spills),
 #    4. runs `pytest -m gpu`, 5. runs the side-by-side benchmark.
 # Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
-# FA3_BWD_DEFINES selects backward variants (cpp/kernels/bwd/NOTES.md);
+# FA3_BWD_DEFINES / FA3_FWD_DEFINES select kernel variants (cpp/kernels/*NOTES.md);
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
 # TEST_SHARDS (parallel pytest processes), SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there). Leaves at most 7 files in OUT_DIR (the device tool returns 8).
 set -uo pipefail
@@ -23,7 +23,7 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export CUTLASS_DIR=${CUTLASS_DIR:-/tmp/site/cutlass_library/source/include}
 
-echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} bwd_defines=${FA3_BWD_DEFINES:-none})"
+echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} bwd_defines=${FA3_BWD_DEFINES:-none} fwd_defines=${FA3_FWD_DEFINES:-none})"
 t0=$(date +%s)
 FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install -v --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1

@@ -81,7 +81,8 @@ inline bool band_limits_work(const FwdParams& fp) {
 // one CTA per tile: the same greedy longest-first order, without a CTA start and a cold Q load
 // per tile, and with the next tile's Q and K loaded under this tile's end. Off until measured
 // (compile-checked only). Enabling it also needs the FFI handler to allocate the scratch
-// (fwd_workspace_bytes) and pass it as FwdParams::workspace: branch fwd-next-dyn does both.
+// (fwd_workspace_bytes) and pass it as FwdParams::workspace: cpp/kernels/pending/
+// fwd-next-dyn.diff does both.
 constexpr bool kFwdDynamicBanded = false;
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {

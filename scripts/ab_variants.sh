@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A/B of kernel build variants in one device call: for each variant, build (no tests) and run
+# the same benchmark, tagged with the variant's name; the tables come back side by side.
+#   scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
+#   e.g. scripts/ab_variants.sh $OUT base= tma-store="FA3_FWD_DIRECT_O=0" \
+#          regs240="FA3_FWD_DYNAMIC_CODE=0"
+# DEFINES go to FA3_FWD_DEFINES (or FA3_BWD_DEFINES with AB_DIRECTION=bwd); the build set is
+# FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh, the benchmark
+# BENCH_ARGS (passed to benchmarks/bench_attention.py; give it --impls ... cudnn for a yardstick).
+# OUT_DIR gets <date>-<gpu>-<NAME>.md per variant and ab.log (the device tool returns 8 files).
+set -uo pipefail
+OUT=${1:?usage: scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
+shift
+[ $# -ge 1 ] || { echo "ab_variants: name at least one variant (NAME=DEFINES)" >&2; exit 2; }
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+var=FA3_${AB_DIRECTION:-fwd}_DEFINES
+var=${var^^}
+run_all() {
+  local status=0 spec name defines
+  for spec in "$@"; do
+    name=${spec%%=*}
+    defines=${spec#*=}
+    [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "ab_variants: bad variant name '$name'"; return 2; }
+    echo "== variant $name: $var='$defines'"
+    if ! env "$var=$defines" SKIP_TESTS=1 SKIP_BENCH=1 scripts/gpu_cycle.sh "/tmp/ab_$name" \
+        >"/tmp/ab_$name.log" 2>&1; then
+      echo "variant $name: build failed"; tail -20 "/tmp/ab_$name.log"; status=1; continue
+    fi
+    grep -E "built in|LDL/STL=[1-9]" "/tmp/ab_$name.log"
+    PYTHONPATH=/tmp/site timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
+      --out /tmp/ab_results --tag "$name" ${BENCH_ARGS:-} 2>&1 | grep -v "^  " || status=1
+    cp /tmp/ab_results/*-"$name".md "$OUT/" || status=1
+  done
+  return $status
+}
+
+run_all "$@" 2>&1 | tee "$OUT/ab.log"
+exit "${PIPESTATUS[0]}"
