@@ -32,13 +32,18 @@ struct FwdTileTable;
 // one's softmax (at d = 64 the softmax is half of a block's work). 4 stages (24 + 4 x 2 x 16 =
 // 152 KB; one CTA per SM anyway): the persistent producer runs up to 4 blocks ahead, i.e. into
 // the next tile, which hides the tile switch at short key lengths (4 blocks at 512).
-// Spill-free (R151) only with the seqlen_k-only mask: with the band mask 56-76 bytes spilled
-// inside the main loop, so banded problems keep 128 x 128 (96 KB; square tiles also waste the
-// least on a causal diagonal). If the 192-row tile fails on the GPU, set `full` = `banded`.
+// Banded problems: 128 x 128 (96 KB; square tiles also waste the least on a causal diagonal),
+// or 192 x 128 with the build switch below, spill-free (R153) since the band mask compares
+// against per-row bounds relative to the thread's first column (56-76 bytes spilled before);
+// not yet measured on the GPU. If the 192-row tile fails on the GPU, set `full` = `banded`.
+#ifndef FA3_FWD_HD64_BANDED_M
+#define FA3_FWD_HD64_BANDED_M 128
+#endif
 template <typename E>
 struct FwdTileTable<E, 64> {
   using full = FwdTraits<E, 64, 192, 128, 4, true, false>;
-  using banded = FwdTraits<E, 64, 128, 128, 2, true, true>;
+  using banded = FwdTraits<E, 64, FA3_FWD_HD64_BANDED_M, 128, FA3_FWD_HD64_BANDED_M == 192 ? 4 : 2,
+                           true, true>;
 };
 // d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 3 stages (24 + 3 x 2 x 24 = 168 KB) so the
 // persistent producer runs into the next tile (see d = 64).
@@ -48,13 +53,17 @@ struct FwdTileTable<E, 96> {
   using banded = full;
 };
 // d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
-// smem; O 64 + S 88 + P 44 registers). It fits 240 registers without spills only with the
-// seqlen_k-only mask (kBanded = false: 56-120 bytes spilled with the band mask). Banded
-// problems: 128 x 128 (square tiles waste least on the causal diagonal; 160 KB).
+// smem; O 64 + S 88 + P 44 registers), with the seqlen_k-only mask. Banded problems: 128 x 128
+// (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
+// switch below: spill-free (R219) since the band mask compares against per-row bounds relative
+// to the thread's first column (44-120 bytes spilled before); not yet measured on the GPU.
+#ifndef FA3_FWD_HD128_BANDED_N
+#define FA3_FWD_HD128_BANDED_N 128
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
+  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, 2, true, true>;
 };
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
