@@ -1,0 +1,59 @@
+"""One grid point of bench_attention.py, run a few times, for a profiler to look at.
+
+    python3 -P benchmarks/profile_point.py --impl jax_fa3 --direction bwd --head-dim 256 --seqlen 8192 --causal 1
+    scripts/ncu_point.sh OUT_DIR <the same arguments>      # Nsight Compute on the device
+
+Same shapes as bench_attention.py (batch * seqlen = --tokens, heads * head_dim = --hidden),
+random inputs, --calls jitted calls of the forward or the backward after one warm-up call.
+Prints the median wall time of the calls (for orientation only: the benchmark is the figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import attention_fn, make_loop  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--impl", default="jax_fa3", help="jax_fa3, jax_fa3_det, cudnn, xla or fa3")
+    p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--causal", type=int, default=0, choices=(0, 1))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--calls", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.hidden % args.head_dim:
+        p.error(f"--hidden {args.hidden} is not a multiple of --head-dim {args.head_dim}")
+
+    batch, heads = max(args.tokens // args.seqlen, 1), args.hidden // args.head_dim
+    shape = (batch, args.seqlen, heads, args.head_dim)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
+    run, _ = make_loop(attention_fn(args.impl, bool(args.causal)), args.direction, q, k, v)
+    jax.block_until_ready(run(1))  # compile and warm up
+    times = []
+    for _ in range(args.calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(1))
+        times.append(time.perf_counter() - t0)
+    print(f"{args.impl} {args.direction} hd{args.head_dim} s{args.seqlen} b{batch} h{heads} "
+          f"causal={bool(args.causal)}: median {np.median(times) * 1e3:.3f} ms per call "
+          f"(wall, incl. dispatch)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

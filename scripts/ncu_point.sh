@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Nsight Compute on one grid point (benchmarks/profile_point.py), after jax_fa3 is installed
+# (scripts/gpu_cycle.sh with SKIP_TESTS=1 SKIP_BENCH=1):
+#   scripts/ncu_point.sh OUT_DIR --impl jax_fa3 --direction bwd --head-dim 256 --seqlen 8192 --causal 1
+# Profiles the last launch of each kernel matching $KERNELS (default: our forward and backward
+# main kernels) with the sections that say where the time goes: speed of light, compute
+# workload (tensor pipe), warp states (stall reasons), occupancy, memory. Clocks stay as they
+# are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
+set -uo pipefail
+OUT=${1:?usage: scripts/ncu_point.sh OUT_DIR [profile_point.py arguments]}
+shift
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_' | sed 's/__*/_/g; s/^_//; s/_$//')
+tag=${tag:-default}
+rep=()
+[ "${NCU_REP:-1}" = 1 ] && rep=(--export "$OUT/ncu_$tag" --force-overwrite)
+PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
+  ncu --clock-control none --target-processes all \
+    --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+    --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
+    "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
+exit "${PIPESTATUS[0]}"
