@@ -37,6 +37,9 @@
 #ifndef FA3_FWD_DYNAMIC_CODE
 #define FA3_FWD_DYNAMIC_CODE 1  // 0: banded kernels without the dynamic-schedule code (24/240)
 #endif
+#ifndef FA3_FWD_DYNAMIC_BANDED
+#define FA3_FWD_DYNAMIC_BANDED 0  // 1: banded problems on a persistent grid with a tile counter
+#endif
 
 namespace fa3 {
 

@@ -86,13 +86,13 @@ inline bool band_limits_work(const FwdParams& fp) {
 }
 
 // Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
-// tile_counter; 16 bytes of FFI scratch, zeroed by a memset node before the kernel) instead of
-// one CTA per tile: the same greedy longest-first order, without a CTA start and a cold Q load
-// per tile, and with the next tile's Q and K loaded under this tile's end. Off until measured
-// (compile-checked only). Enabling it also needs the FFI handler to allocate the scratch
-// (fwd_workspace_bytes) and pass it as FwdParams::workspace: cpp/kernels/pending/
-// fwd-next-dyn.diff does both.
-constexpr bool kFwdDynamicBanded = false;
+// tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
+// result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
+// longest-first order, without a CTA start and a cold Q load per tile, and with the next
+// tile's Q and K loaded under this tile's end. Off until measured on the GPU (compile-checked):
+// build switch FA3_FWD_DYNAMIC_BANDED=1 (fwd_kernel.cuh).
+constexpr bool kFwdDynamicBanded = FA3_FWD_DYNAMIC_BANDED != 0;
+static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the workspace result");
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
   return kFwdDynamicBanded && band_limits_work(fp);
@@ -100,7 +100,7 @@ inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
 
 template <typename Element, int kHeadDim>
 size_t fwd_workspace_bytes_impl(const FwdParams& fp) {
-  return fwd_uses_dynamic_schedule(fp) ? 16 : 0;
+  return fwd_uses_dynamic_schedule(fp) ? kFwdWorkspaceBytes : 0;  // the counter: one int
 }
 
 template <class T>
