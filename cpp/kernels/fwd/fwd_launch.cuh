@@ -39,9 +39,14 @@ struct FwdTileTable;
 #ifndef FA3_FWD_HD64_BANDED_M
 #define FA3_FWD_HD64_BANDED_M 128
 #endif
+// Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
+// moves every k-th exponential to the FMA pipe (exp2_fma; 8 is the predicted best, <= 3%).
+#ifndef FA3_FWD_HD64_EXP2_EMU
+#define FA3_FWD_HD64_EXP2_EMU 0
+#endif
 template <typename E>
 struct FwdTileTable<E, 64> {
-  using full = FwdTraits<E, 64, 192, 128, 4, true, false>;
+  using full = FwdTraits<E, 64, 192, 128, 4, true, false, FA3_FWD_HD64_EXP2_EMU>;
   using banded = FwdTraits<E, 64, FA3_FWD_HD64_BANDED_M, 128, FA3_FWD_HD64_BANDED_M == 192 ? 4 : 2,
                            true, true>;
 };
