@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fa3/launch.h"
 #include "fa3/params.h"
@@ -70,19 +71,31 @@ struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, 2, true, true>;
 };
+// d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
+// kernel with the band mask for all problems. Build switches for the next A/B, both compiled
+// spill-free: FA3_FWD_PINGPONG_192_256=1 (R195 / R222) and FA3_FWD_SEQK_MASK_192_256=1, an
+// unbanded kernel with only the seqlen_k mask for unbanded problems (main loop 758 -> 698 /
+// 719 -> 662 SASS instructions), as d = 64 and 128 have.
+#ifndef FA3_FWD_PINGPONG_192_256
+#define FA3_FWD_PINGPONG_192_256 0
+#endif
+#ifndef FA3_FWD_SEQK_MASK_192_256
+#define FA3_FWD_SEQK_MASK_192_256 0
+#endif
+template <typename E, int kHeadDim, int kBlockN>
+struct FwdTileTableLarge {
+  static constexpr bool kPP = FA3_FWD_PINGPONG_192_256 != 0;
+  using banded = FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP>;
+  using full = std::conditional_t<FA3_FWD_SEQK_MASK_192_256 != 0,
+                                  FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP, false>, banded>;
+};
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
-struct FwdTileTable<E, 192> {
-  using full = FwdTraits<E, 192, 128, 96, 2, false>;
-  using banded = full;
-};
+struct FwdTileTable<E, 192> : FwdTileTableLarge<E, 192, 96> {};
 // d = 256: 128 x 80 is what smem allows with 2 stages: 64 + 2 x 2 x 40 = 224 KB; registers
 // O 128 + S 40 + P 20.
 template <typename E>
-struct FwdTileTable<E, 256> {
-  using full = FwdTraits<E, 256, 128, 80, 2, false>;
-  using banded = full;
-};
+struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {};
 
 // Whether the band cuts into the key range somewhere (then the work per tile varies).
 inline bool band_limits_work(const FwdParams& fp) {
