@@ -46,6 +46,12 @@ def unmasked_pairs(seqlen: int, causal: bool) -> int:
     return seqlen * (seqlen + 1) // 2 if causal else seqlen * seqlen
 
 
+def grid_shape(head_dim: int, seqlen: int, tokens: int, hidden: int) -> tuple[int, int, int, int]:
+    """(batch, seqlen, heads, head_dim) of a grid point: batch * seqlen = tokens, heads *
+    head_dim = hidden (the FA3 paper's convention)."""
+    return max(tokens // seqlen, 1), seqlen, hidden // head_dim, head_dim
+
+
 def attention_fn(impl: str, causal: bool):
     """A function (q, k, v) -> out for `impl`, or raise if it cannot be built here."""
     if impl == "jax_fa3":
@@ -130,11 +136,10 @@ def run_grid(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     records = []
     for head_dim in args.head_dims:
-        heads = args.hidden // head_dim
         for seqlen in args.seqlens:
-            batch = max(args.tokens // seqlen, 1)
+            shape = grid_shape(head_dim, seqlen, args.tokens, args.hidden)
+            batch, _, heads, _ = shape
             kq, kk, kv = jax.random.split(jax.random.key(seqlen * 1000 + head_dim), 3)
-            shape = (batch, seqlen, heads, head_dim)
             q, k, v = (jax.random.normal(key, shape, dtype) for key in (kq, kk, kv))
             for causal in args.causal:
                 for direction in args.directions:

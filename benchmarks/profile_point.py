@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import attention_fn, make_loop  # noqa: E402
+from bench_attention import attention_fn, grid_shape, make_loop  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,8 +38,8 @@ def main(argv=None) -> int:
     if args.hidden % args.head_dim:
         p.error(f"--hidden {args.hidden} is not a multiple of --head-dim {args.head_dim}")
 
-    batch, heads = max(args.tokens // args.seqlen, 1), args.hidden // args.head_dim
-    shape = (batch, args.seqlen, heads, args.head_dim)
+    shape = grid_shape(args.head_dim, args.seqlen, args.tokens, args.hidden)
+    batch, _, heads, _ = shape
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
     run, _ = make_loop(attention_fn(args.impl, bool(args.causal)), args.direction, q, k, v)

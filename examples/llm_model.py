@@ -28,15 +28,15 @@ ATTENTION_CHOICES = ("fa3", "cudnn", "xla")
 class ModelConfig:
     """Shape of the model. ``dtype`` is the compute dtype; parameters are always float32."""
 
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    mlp_hidden: int = 384
-    rope_base: float = 10000.0
-    dtype: str = "float32"
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    mlp_hidden: int
+    dtype: str
     remat: bool = False
+    rope_base: float = 10000.0
 
     @property
     def head_dim(self) -> int:

@@ -72,42 +72,40 @@ class Config:
     """Everything one run depends on: a preset, then the flags that override it."""
 
     preset: str
+    # every preset sets these (PRESETS); flags override them
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    mlp_hidden: int
+    dtype: str
+    seq_len: int
+    batch_size: int
+    steps: int
+    lr: float
+    warmup_steps: int
+    eval_every: int
+    eval_batches: int
+    log_every: int
+    ckpt_every: int
+    sample_tokens: int
+    # the rest: same defaults for every preset
     attention: str = "fa3"
-    # model
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    mlp_hidden: int = 384
-    dtype: str = "float32"
     remat: bool = False
-    # data
     data: str | None = None
     bin_dtype: str = "uint16"
     vocab_size: int | None = None
     eval_fraction: float = 0.01
-    seq_len: int = 128
-    batch_size: int = 16
-    # optimisation
-    steps: int = 300
-    lr: float = 3e-3
-    warmup_steps: int = 30
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
-    # bookkeeping
-    eval_every: int = 100
-    eval_batches: int = 4
-    log_every: int = 10
-    ckpt_every: int = 100
     out_dir: str = "out/train_llm"
     ckpt_dir: str | None = None
     resume: bool = False
     fsdp: int = -1
     context: int = 1
     prompt: str | None = None
-    sample_tokens: int = 200
     temperature: float = 0.8
     progress: bool = True
 

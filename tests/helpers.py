@@ -44,6 +44,11 @@ def key_stream(seed):
     return next_key
 
 
+# What the kernels are built for (the CMake default set): the GPU tests' parameter grid.
+KERNEL_HEAD_DIMS = (64, 96, 128, 192, 256)
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
 def skip_unless_kernel(direction, dtype, head_dim):
     """Skip the calling test, with the reason, when the `direction` kernel cannot run this
     dtype and head dim here (the one helper that asks jax_fa3: availability, not numerics)."""

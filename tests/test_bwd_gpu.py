@@ -24,8 +24,6 @@ from jax_fa3 import _ffi, _masks, _ops
 pytestmark = pytest.mark.gpu
 
 UNB = _masks.UNBOUNDED
-HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = (jnp.bfloat16, jnp.float16)
 
 _next_key = helpers.key_stream(4_2026_1130)
 
@@ -114,14 +112,14 @@ def _check(b, sq, sk, hq, hkv, d, dtype, left=UNB, right=UNB, softcap=0.0, scale
 
 # --------------------------------------------------------------------------- head dim x dtype
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", helpers.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", helpers.KERNEL_DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims(d, dtype, causal):
     _check(2, 129, 129, 2, 2, d, dtype, right=0 if causal else UNB)
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d", helpers.KERNEL_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dims_many_steps(d, causal):
     """Every head dim over enough query blocks (11 per head, 2 heads per kv head) that the
@@ -166,7 +164,7 @@ def test_empty_band_all_zero():
         assert (np.asarray(g, np.float32) == 0).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", helpers.KERNEL_DTYPES, ids=["bf16", "fp16"])
 def test_softcap(dtype):
     d = _first_compiled(dtype)
     _check(2, 300, 300, 4, 2, d, dtype, softcap=20.0, logit_scale=4.0)

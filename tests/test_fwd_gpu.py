@@ -24,8 +24,6 @@ from jax_fa3 import _ffi, _masks, _ops
 pytestmark = pytest.mark.gpu
 
 UNB = _masks.UNBOUNDED
-HEAD_DIMS = (64, 96, 128, 192, 256)
-DTYPES = (jnp.bfloat16, jnp.float16)
 
 _next_key = helpers.key_stream(20261130)
 
@@ -65,8 +63,8 @@ def _check(b, sq, sk, hq, hkv, d, dtype, left=UNB, right=UNB, softcap=0.0, scale
 
 # --------------------------------------------------------------------------- head dim x dtype
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", helpers.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", helpers.KERNEL_DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", [(129, 129), (1000, 127), (17, 1000)])
 def test_head_dims(d, dtype, causal, sq, sk):
@@ -160,7 +158,7 @@ def test_softcap_large_logits(softcap, causal):
     _check(2, 300, 300, 2, 2, 128, jnp.bfloat16, left, right, softcap=softcap, logit_scale=8.0)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", helpers.KERNEL_DTYPES, ids=["bf16", "fp16"])
 def test_custom_scale(dtype):
     _check(1, 190, 190, 2, 2, 128, dtype, scale=0.3)
 
