@@ -6,7 +6,8 @@
 #    wheel or $CUTLASS_DIR), 3. summarises the SASS (HGMMA count, local-memory spills),
 #    4. runs `pytest -m gpu`, 5. runs the side-by-side benchmark.
 # Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
-# FA3_BWD_DEFINES / FA3_FWD_DEFINES select kernel variants (cpp/kernels/*NOTES.md);
+# FA3_BWD_DEFINES (and FA3_FWD_DEFINES with cpp/kernels/pending/fwd-v4.1.diff) select kernel
+# variants (cpp/kernels/*NOTES.md);
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
 # TEST_SHARDS (parallel pytest processes), SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there). Leaves at most 7 files in OUT_DIR (the device tool returns 8).
 set -uo pipefail
