@@ -8,7 +8,10 @@
 # AB_DIRECTION=bwd, to FA3_BWD_DEFINES; the build set is
 # FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh, the benchmark
 # BENCH_ARGS (passed to benchmarks/bench_attention.py; give it --impls ... cudnn for a yardstick).
-# OUT_DIR gets <date>-<gpu>-<NAME>.md per variant and ab.log (the device tool returns 8 files).
+# Each variant is installed into its own folder (/tmp/variant_NAME), so an installed build and a
+# GPU suite running from it (scripts/gpu_cycle.sh on another GPU) are left alone; AB_GPU picks
+# the benchmark's GPU (CUDA_VISIBLE_DEVICES).
+# OUT_DIR gets ab.log and ab_tables.md (every variant's table, in order).
 set -uo pipefail
 OUT=${1:?usage: scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
 shift
@@ -25,14 +28,15 @@ run_all() {
     defines=${spec#*=}
     [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "ab_variants: bad variant name '$name'"; return 2; }
     echo "== variant $name: $var='$defines'"
-    if ! env "$var=$defines" SKIP_TESTS=1 SKIP_BENCH=1 scripts/gpu_cycle.sh "/tmp/ab_$name" \
+    if ! env "$var=$defines" INSTALL_TARGET="/tmp/variant_$name" SKIP_TESTS=1 SKIP_BENCH=1 \
+        scripts/gpu_cycle.sh "/tmp/ab_$name" \
         >"/tmp/ab_$name.log" 2>&1; then
       echo "variant $name: build failed"; tail -20 "/tmp/ab_$name.log"; status=1; continue
     fi
     grep -E "built in|LDL/STL=[1-9]" "/tmp/ab_$name.log"
-    PYTHONPATH=/tmp/site timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
+    CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$name:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
       --out /tmp/ab_results --tag "$name" ${BENCH_ARGS:-} 2>&1 | grep -v "^  " || status=1
-    cp /tmp/ab_results/*-"$name".md "$OUT/" || status=1
+    cat /tmp/ab_results/*-"$name".md >>"$OUT/ab_tables.md" || status=1
   done
   return $status
 }

@@ -9,7 +9,11 @@
 # FA3_BWD_DEFINES (and FA3_FWD_DEFINES with cpp/kernels/pending/fwd-v4.1.diff) select kernel
 # variants (cpp/kernels/*NOTES.md);
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
-# TEST_SHARDS (parallel pytest processes), SKIP_TESTS=1, SKIP_BENCH=1, TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there). Leaves at most 7 files in OUT_DIR (the device tool returns 8).
+# TEST_SHARDS (parallel pytest processes), TEST_GPUS (e.g. "0 1": shard i runs on the i-th listed GPU,
+# round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_TESTS=1, SKIP_BENCH=1,
+# TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
+# into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
+# Leaves at most 3 files in OUT_DIR (the device tool returns 8).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_cycle.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -24,10 +28,18 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
 fi
 export CUTLASS_DIR=${CUTLASS_DIR:-/tmp/site/cutlass_library/source/include}
 
+if [ -n "${INSTALL_TARGET:-}" ]; then
+  target_args=(--target "$INSTALL_TARGET" --upgrade)
+  export PYTHONPATH=$INSTALL_TARGET:$PYTHONPATH
+else
+  target_args=()
+fi
+
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
 echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} bwd_defines=${FA3_BWD_DEFINES:-none} fwd_defines=${FA3_FWD_DEFINES:-none})"
 t0=$(date +%s)
 FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-  python3 -m pip install -v --no-build-isolation --no-deps . >"$OUT/build.log" 2>&1
+  python3 -m pip install -v --no-build-isolation --no-deps "${target_args[@]}" . >"$OUT/build.log" 2>&1
 if [ $? -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1; fi
 echo "built in $(( $(date +%s) - t0 )) s"
 
@@ -41,14 +53,18 @@ echo "built in $(( $(date +%s) - t0 )) s"
   cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) printf "%s HGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}'
 } >"$OUT/info.txt" 2>&1
 cat "$OUT/info.txt" | head -60
+fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # TEST_SHARDS=n runs n pytest processes side by side on the one GPU (tests/conftest.py
   # FA3_TEST_SHARD): compilation and the CPU oracle dominate the suite's time, not the GPU.
   shards=${TEST_SHARDS:-1}
   echo "== pytest ${PYTEST_ARGS:--m gpu tests} ($shards shards)"
+  read -r -a gpus <<<"${TEST_GPUS:-}"
   for ((i = 0; i < shards; i++)); do
-    FA3_TEST_SHARD=$i/$shards XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    gpu_env=()
+    [ ${#gpus[@]} -gt 0 ] && gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]})
+    env "${gpu_env[@]}" FA3_TEST_SHARD=$i/$shards XLA_PYTHON_CLIENT_PREALLOCATE=false \
       timeout "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -q --no-header \
       -p no:cacheprovider -rfEsxX >"/tmp/pytest_shard_$i.log" 2>&1 &
   done
