@@ -19,9 +19,9 @@ Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
 (never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
 
-Each implementation's result (out, or dq for the backward) is compared with the first
-implementation's at the same point; one further than --max-rel-err is flagged as suspect in the
-JSON, the table and the log (its time is not a valid figure).
+Each implementation's result (out, or dq for the backward) is compared with the first finite
+implementation's at the same point; one further than --max-rel-err, or with a NaN/Inf in its
+result, is flagged as suspect in the JSON, the table and the log (its time is not a valid figure).
 
 Writes <out>/<date>-<gpu>.json ({"date", "gpu", "jax", "cuda", "records": [...]}), a markdown
 table with ratios to each peer (<out>/<date>-<gpu>.md), and a PNG plot per head dim.
@@ -164,7 +164,12 @@ def run_grid(args) -> list[dict]:
                         flops = 4 * batch * heads * unmasked_pairs(seqlen, causal) * head_dim
                         flops *= 2.5 if direction == "bwd" else 1.0
                         rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-                        if reference is None:
+                        nonfinite = int(result.size - jnp.isfinite(result).sum())
+                        if nonfinite:  # wrong on its own; never the yardstick for the others
+                            rec.update(nonfinite=nonfinite, suspect=True)
+                            print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite "
+                                  f"values: its time is not a valid figure", flush=True)
+                        elif reference is None:
                             reference = (impl, result)
                         else:
                             err = relative_error(result, reference[1])

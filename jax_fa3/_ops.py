@@ -40,6 +40,12 @@ def _options(softmax_scale: float, softcap: float, window_left: int, window_righ
                 window_left=np.int32(window_left), window_right=np.int32(window_right))
 
 
+# The forward's third result: device memory for its dynamic tile schedule's counter (16 bytes,
+# kFwdWorkspaceBytes in cpp/include/fa3/launch.h). A result rather than FFI scratch keeps the
+# call command-buffer compatible; it is dropped here.
+_FWD_WORKSPACE = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+
 def fwd(q, k, v, *, softmax_scale: float, softcap: float, window_left: int, window_right: int):
     """Kernel forward: returns (out, lse)."""
     attrs = _options(softmax_scale, softcap, window_left, window_right)
@@ -49,10 +55,12 @@ def fwd(q, k, v, *, softmax_scale: float, softcap: float, window_left: int, wind
         b, sq, hq, _ = q.shape
         call = jax.ffi.ffi_call(
             _ffi.FWD_TARGET,
-            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32)),
+            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
+             _FWD_WORKSPACE),
             vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
         )
-        return tuple(call(q, k, v, **attrs))
+        out, lse, _ = call(q, k, v, **attrs)
+        return out, lse
 
     return _fold_batch_rule(op)(q, k, v)
 

@@ -97,7 +97,8 @@ ffi::Error device_sms(int* num_sms) {
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                   float softmax_scale, float softcap, int32_t window_left, int32_t window_right) {
+                   ffi::Result<ffi::Buffer<ffi::S32>> workspace, float softmax_scale, float softcap,
+                   int32_t window_left, int32_t window_right) {
   FwdParams p;
   if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
   if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
@@ -115,6 +116,12 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.v = v.untyped_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
+  if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
+    if (workspace->size_bytes() < bytes)
+      return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
+                     std::to_string(workspace->size_bytes()));
+    p.workspace = workspace->untyped_data();
+  }
   if (auto err = run_fwd(p, stream); err != cudaSuccess) return cuda_error("forward launch", err);
   return ffi::Error::Success();
 }
@@ -175,6 +182,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, d)
         .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, d)
         .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
+        .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes): tile counter
         .Attr<float>("softmax_scale")
         .Attr<float>("softcap")
         .Attr<int32_t>("window_left")

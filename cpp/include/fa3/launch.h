@@ -14,9 +14,11 @@ namespace fa3 {
 bool fwd_compiled(DType dtype, int head_dim);
 bool bwd_compiled(DType dtype, int head_dim);
 
-// Bytes of scratch the forward needs for these params (a tile counter for the dynamic
-// schedule, or 0); the caller allocates and sets params.workspace.
+// Bytes of workspace the forward needs for these params (a tile counter for the dynamic
+// schedule, or 0), at most kFwdWorkspaceBytes; the caller provides it as params.workspace.
 size_t fwd_workspace_bytes(const FwdParams& params);
+// Size of the forward FFI call's workspace result (jax_fa3/_ops.py declares it as 4 int32).
+constexpr size_t kFwdWorkspaceBytes = 16;
 // Enqueue the forward kernel(s) on `stream`. Never synchronises, never allocates.
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
 

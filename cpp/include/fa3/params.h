@@ -46,7 +46,8 @@ struct FwdParams {
   const void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
-  // Scratch from the FFI ScratchAllocator, sized by fwd_workspace_bytes() (0: none needed).
+  // Device memory of at least fwd_workspace_bytes() (0: none needed): the FFI call's workspace
+  // result, so that the handler needs no scratch allocator and stays command-buffer compatible.
   void* workspace = nullptr;
   int num_sms = 0;  // multiprocessors of the device, for the persistent grid
 };

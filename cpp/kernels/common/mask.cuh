@@ -54,15 +54,18 @@ struct BandMask {
   // partitioned and viewed like `scores`.
   template <class TS, class TC>
   CUTE_DEVICE void apply(TS& scores, TC const& coord, int row0, int col0) const {
+    // Bounds relative to this thread's first column, so that each element compares a
+    // compile-time column offset with two per-row registers (no per-column registers).
+    int const base = col0 + get<1>(coord(0, 0));
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(scores); ++r) {
       int i = row0 + get<0>(coord(r, 0));
       // No int overflow: |bounds| <= 2^30 and 0 <= i + off < seqlen_k, far below 2^30.
-      int lo = i + offset() - left;
-      int hi = min(i + offset() + right, seqlen_k - 1);
+      int lo = i + offset() - left - base;
+      int hi = min(i + offset() + right, seqlen_k - 1) - base;
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(scores); ++c) {
-        int j = col0 + get<1>(coord(r, c));
+        int j = get<1>(coord(r, c)) - get<1>(coord(0, 0));
         if (j < lo || j > hi) scores(r, c) = -INFINITY;
       }
     }

@@ -29,6 +29,18 @@
 #include "common/tile_scheduler.cuh"
 #include "common/utils.cuh"
 
+// Build-time switches for A/B runs (CMake FA3_FWD_DEFINES, e.g. "FA3_FWD_DIRECT_O=0"); the
+// defaults are the kernel that passed the GPU tests and was measured (cpp/kernels/NOTES.md).
+#ifndef FA3_FWD_DIRECT_O
+#define FA3_FWD_DIRECT_O 1  // 0: v3's epilogue (O staged in smem, one TMA store)
+#endif
+#ifndef FA3_FWD_DYNAMIC_CODE
+#define FA3_FWD_DYNAMIC_CODE 1  // 0: banded kernels without the dynamic-schedule code (24/240)
+#endif
+#ifndef FA3_FWD_DYNAMIC_BANDED
+#define FA3_FWD_DYNAMIC_BANDED 1  // 0: banded problems with one CTA per tile (no tile counter)
+#endif
+
 namespace fa3 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
@@ -50,7 +62,7 @@ struct FwdTraits {
   // pairs), so the Q slabs are free after the tile's last Q K^T and the producer loads the next
   // tile's Q while this tile's last softmax, P V and epilogue run (persistent grid). false: O is
   // staged in the Q slab (stmatrix) and TMA-stored; the next Q waits for that store (v1-v3).
-  static constexpr bool kDirectO = true;
+  static constexpr bool kDirectO = FA3_FWD_DIRECT_O != 0;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
@@ -59,7 +71,7 @@ struct FwdTraits {
   //   3 consumers: 128 * 32 + 384 * 160 = 65536.
   // Banded kernels carry the dynamic tile schedule (Params::tile_counter), whose producer code
   // spilled at 24 registers: 128 * 40 + 256 * 232 = 64512 as well (the consumers peak at R223).
-  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
+  static constexpr bool kDynamicSchedule = FA3_FWD_DYNAMIC_CODE != 0 && kBanded && kNumMmaWG == 2;
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));

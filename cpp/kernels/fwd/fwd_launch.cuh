@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "fa3/launch.h"
 #include "fa3/params.h"
@@ -32,13 +33,23 @@ struct FwdTileTable;
 // one's softmax (at d = 64 the softmax is half of a block's work). 4 stages (24 + 4 x 2 x 16 =
 // 152 KB; one CTA per SM anyway): the persistent producer runs up to 4 blocks ahead, i.e. into
 // the next tile, which hides the tile switch at short key lengths (4 blocks at 512).
-// Spill-free (R151) only with the seqlen_k-only mask: with the band mask 56-76 bytes spilled
-// inside the main loop, so banded problems keep 128 x 128 (96 KB; square tiles also waste the
-// least on a causal diagonal). If the 192-row tile fails on the GPU, set `full` = `banded`.
+// Banded problems: 128 x 128 (96 KB; square tiles also waste the least on a causal diagonal),
+// or 192 x 128 with the build switch below, spill-free (R153) since the band mask compares
+// against per-row bounds relative to the thread's first column (56-76 bytes spilled before);
+// not yet measured on the GPU. If the 192-row tile fails on the GPU, set `full` = `banded`.
+#ifndef FA3_FWD_HD64_BANDED_M
+#define FA3_FWD_HD64_BANDED_M 128
+#endif
+// Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
+// moves every k-th exponential to the FMA pipe (exp2_fma; 8 is the predicted best, <= 3%).
+#ifndef FA3_FWD_HD64_EXP2_EMU
+#define FA3_FWD_HD64_EXP2_EMU 0
+#endif
 template <typename E>
 struct FwdTileTable<E, 64> {
-  using full = FwdTraits<E, 64, 192, 128, 4, true, false>;
-  using banded = FwdTraits<E, 64, 128, 128, 2, true, true>;
+  using full = FwdTraits<E, 64, 192, 128, 4, true, false, FA3_FWD_HD64_EXP2_EMU>;
+  using banded = FwdTraits<E, 64, FA3_FWD_HD64_BANDED_M, 128, FA3_FWD_HD64_BANDED_M == 192 ? 4 : 2,
+                           true, true>;
 };
 // d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 3 stages (24 + 3 x 2 x 24 = 168 KB) so the
 // persistent producer runs into the next tile (see d = 64).
@@ -48,27 +59,43 @@ struct FwdTileTable<E, 96> {
   using banded = full;
 };
 // d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
-// smem; O 64 + S 88 + P 44 registers). It fits 240 registers without spills only with the
-// seqlen_k-only mask (kBanded = false: 56-120 bytes spilled with the band mask). Banded
-// problems: 128 x 128 (square tiles waste least on the causal diagonal; 160 KB).
+// smem; O 64 + S 88 + P 44 registers), with the seqlen_k-only mask. Banded problems: 128 x 128
+// (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
+// switch below: spill-free (R219) since the band mask compares against per-row bounds relative
+// to the thread's first column (44-120 bytes spilled before); not yet measured on the GPU.
+#ifndef FA3_FWD_HD128_BANDED_N
+#define FA3_FWD_HD128_BANDED_N 128
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
+  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, 2, true, true>;
+};
+// d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
+// kernel with the band mask for all problems. Build switches for the next A/B, both compiled
+// spill-free: FA3_FWD_PINGPONG_192_256=1 (R195 / R222) and FA3_FWD_SEQK_MASK_192_256=1, an
+// unbanded kernel with only the seqlen_k mask for unbanded problems (main loop 758 -> 698 /
+// 719 -> 662 SASS instructions), as d = 64 and 128 have.
+#ifndef FA3_FWD_PINGPONG_192_256
+#define FA3_FWD_PINGPONG_192_256 0
+#endif
+#ifndef FA3_FWD_SEQK_MASK_192_256
+#define FA3_FWD_SEQK_MASK_192_256 0
+#endif
+template <typename E, int kHeadDim, int kBlockN>
+struct FwdTileTableLarge {
+  static constexpr bool kPP = FA3_FWD_PINGPONG_192_256 != 0;
+  using banded = FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP>;
+  using full = std::conditional_t<FA3_FWD_SEQK_MASK_192_256 != 0,
+                                  FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP, false>, banded>;
 };
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
-struct FwdTileTable<E, 192> {
-  using full = FwdTraits<E, 192, 128, 96, 2, false>;
-  using banded = full;
-};
+struct FwdTileTable<E, 192> : FwdTileTableLarge<E, 192, 96> {};
 // d = 256: 128 x 80 is what smem allows with 2 stages: 64 + 2 x 2 x 40 = 224 KB; registers
 // O 128 + S 40 + P 20.
 template <typename E>
-struct FwdTileTable<E, 256> {
-  using full = FwdTraits<E, 256, 128, 80, 2, false>;
-  using banded = full;
-};
+struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {};
 
 // Whether the band cuts into the key range somewhere (then the work per tile varies).
 inline bool band_limits_work(const FwdParams& fp) {
@@ -77,12 +104,14 @@ inline bool band_limits_work(const FwdParams& fp) {
 }
 
 // Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
-// tile_counter; 16 bytes of FFI scratch, zeroed by a memset node before the kernel) instead of
-// one CTA per tile: the same greedy longest-first order, without a CTA start and a cold Q load
-// per tile, and with the next tile's Q and K loaded under this tile's end. Off until measured
-// (compile-checked only). Enabling it also needs the FFI handler to allocate the scratch
-// (fwd_workspace_bytes) and pass it as FwdParams::workspace: branch fwd-next-dyn does both.
-constexpr bool kFwdDynamicBanded = false;
+// tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
+// result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
+// longest-first order, without a CTA start and a cold Q load per tile, and with the next
+// tile's Q and K loaded under this tile's end. On by default since the H200 A/B of 2026-11-30
+// (causal 512-2k +3-22%, NOTES.md); build switch FA3_FWD_DYNAMIC_BANDED=0 (fwd_kernel.cuh) for
+// one CTA per tile.
+constexpr bool kFwdDynamicBanded = FA3_FWD_DYNAMIC_BANDED != 0;
+static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the workspace result");
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
   return kFwdDynamicBanded && band_limits_work(fp);
@@ -90,7 +119,7 @@ inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
 
 template <typename Element, int kHeadDim>
 size_t fwd_workspace_bytes_impl(const FwdParams& fp) {
-  return fwd_uses_dynamic_schedule(fp) ? 16 : 0;
+  return fwd_uses_dynamic_schedule(fp) ? kFwdWorkspaceBytes : 0;  // the counter: one int
 }
 
 template <class T>

@@ -4,7 +4,8 @@
 # is found, HGMMA / local-memory (LDL/STL) counts and the highest register of the SASS.
 #   compile_fwd.sh 'fa3::FwdTraits<cutlass::bfloat16_t, 128, 128, 176, 2, true, false>' [out.cubin]
 #   compile_fwd.sh 128 [out.cubin] [cutlass::half_t]     # the tile table of head dim 128
-# CUTLASS_INC (default: the nvidia-cutlass wheel in /work/venv), CUOBJDUMP (optional).
+# CUTLASS_INC (default: the nvidia-cutlass wheel in /work/venv), CUOBJDUMP (optional),
+# FWD_DEFINES (e.g. "-DFA3_FWD_DIRECT_O=0 -DFA3_FWD_DYNAMIC_CODE=0", the A/B switches).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 tree=$(cd "$here/../../../.." && pwd)
@@ -18,7 +19,7 @@ else
   echo "#define FWD_TRAITS $what" > "$hdr"   # via a header: nvcc splits -D values at commas
 fi
 nvcc -std=c++17 -O3 -DNDEBUG --expt-relaxed-constexpr --use_fast_math \
-  -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -cubin \
+  -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -cubin ${FWD_DEFINES:-} \
   -I"$tree/cpp/include" -I"$tree/cpp/kernels" -I"$inc" \
   -include "$hdr" "$here/compile_fwd.cu" -o "$out" 2>&1 |
   grep -E "Compiling entry|registers|spill|error|warning|C75" | grep -v "^$" |
