@@ -13,8 +13,12 @@ FLOPs: forward 4 * batch * heads * unmasked_pairs * head_dim; backward 2.5x that
 
 How it times: each measurement jit-compiles a `lax.fori_loop` of N dependent calls (each
 iteration feeds one element of its output back into q, so XLA can neither hoist nor drop a
-call), so Python dispatch is out of the figure. After a warm-up run, N is chosen so one loop
-takes about --target-ms; the loop runs --repeats times and the median time / N is reported.
+call), so Python dispatch is out of the figure. N is a compile-time constant: XLA then knows
+the trip count and runs the loop body N times back to back; with a traced N, XLA's GPU while
+loop copies the loop condition to the host and waits for it at every iteration (a bubble per
+call, and figures that move with the host's load). A 2-call loop gives the time per call, N is
+chosen so one loop takes about --target-ms, and the N-call loop (compiled and warmed up once)
+runs --repeats times; the median time / N is reported.
 Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the pullback
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
 (never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import math
 import statistics
@@ -80,7 +85,7 @@ def make_loop(fn, direction: str, q, k, v, dout=None):
     once() returns one result (out, or dq for the backward) for the cross-check. The backward's
     output cotangent is `dout` (placed like q), or fresh random data."""
     if direction == "fwd":
-        @jax.jit
+        @functools.partial(jax.jit, static_argnums=0)  # static n: a known trip count (docstring)
         def loop(n, q, k, v):
             def body(_, q):
                 return feed_back(q, fn(q, k, v))
@@ -91,7 +96,7 @@ def make_loop(fn, direction: str, q, k, v, dout=None):
     if dout is None:
         dout = jax.random.normal(jax.random.key(7), q.shape, q.dtype)
 
-    @jax.jit
+    @functools.partial(jax.jit, static_argnums=0)
     def loop(n, pullback, dout):
         def body(_, dout):
             dq, _, _ = pullback(dout)
@@ -106,12 +111,13 @@ def relative_error(x, ref) -> float:
 
 
 def time_ms(run, target_ms: float, repeats: int) -> float:
-    """Median milliseconds per call of run(n)."""
-    jax.block_until_ready(run(1))  # compile and warm up
+    """Median milliseconds per call of run(n) (each n is compiled once: run takes it static)."""
+    jax.block_until_ready(run(2))  # compile and warm up
     t0 = time.perf_counter()
     jax.block_until_ready(run(2))
     per_call = max((time.perf_counter() - t0) * 1e3 / 2, 1e-3)
     n = int(min(max(target_ms / per_call, 3), 2000))
+    jax.block_until_ready(run(n))  # compile and warm up the timed loop
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
