@@ -17,8 +17,10 @@ call), so Python dispatch is out of the figure. N is a compile-time constant: XL
 the trip count and runs the loop body N times back to back; with a traced N, XLA's GPU while
 loop copies the loop condition to the host and waits for it at every iteration (a bubble per
 call, and figures that move with the host's load). A 2-call loop gives the time per call, N is
-chosen so one loop takes about --target-ms, and the N-call loop (compiled and warmed up once)
-runs --repeats times; the median time / N is reported.
+chosen so one loop takes about --target-ms, and the N-call loop is compiled and warmed up.
+At each grid point all implementations are prepared first, then their loops take turns for
+--repeats rounds (A, B, C, A, B, C, ...), so clock or host drift hits each alike; the median
+time / N is reported.
 Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the pullback
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
 (never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
@@ -110,20 +112,28 @@ def relative_error(x, ref) -> float:
     return float(jnp.linalg.norm(x - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
 
 
-def time_ms(run, target_ms: float, repeats: int) -> float:
-    """Median milliseconds per call of run(n) (each n is compiled once: run takes it static)."""
+def calibrate(run, target_ms: float) -> int:
+    """The call count n for which run(n) takes about target_ms; run(n) is compiled and warm."""
     jax.block_until_ready(run(2))  # compile and warm up
     t0 = time.perf_counter()
     jax.block_until_ready(run(2))
     per_call = max((time.perf_counter() - t0) * 1e3 / 2, 1e-3)
     n = int(min(max(target_ms / per_call, 3), 2000))
     jax.block_until_ready(run(n))  # compile and warm up the timed loop
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(n))
-        samples.append((time.perf_counter() - t0) * 1e3 / n)
-    return statistics.median(samples)
+    return n
+
+
+def sample_ms(run, n: int) -> float:
+    """Milliseconds per call of one run(n)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(n))
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def time_ms(run, target_ms: float, repeats: int) -> float:
+    """Median milliseconds per call of run(n) (each n is compiled once: run takes it static)."""
+    n = calibrate(run, target_ms)
+    return statistics.median(sample_ms(run, n) for _ in range(repeats))
 
 
 def gpu_name() -> str:
@@ -138,6 +148,61 @@ def cuda_version() -> str:
         return "unknown"
 
 
+def time_point(args, point: dict, q, k, v) -> list[dict]:
+    """One grid point: every implementation that can run it is compiled, warmed up and
+    cross-checked first; then the timed loops take turns (impl A, B, C, A, B, C, ...) for
+    --repeats rounds, so a drift of the GPU's clocks or of the host hits every one alike.
+    Returns one record per implementation (median ms per call, TFLOP/s, cross-check)."""
+    head_dim, seqlen, causal, direction = (point[x] for x in ("head_dim", "seqlen", "causal",
+                                                                "direction"))
+    flops = 4 * point["batch"] * point["heads"] * unmasked_pairs(seqlen, causal) * head_dim
+    flops *= 2.5 if direction == "bwd" else 1.0
+    reference = None  # the first finite result of this point: the others must match it
+    ready = []  # (record, run, n)
+    for impl in args.impls:
+        if impl == "xla" and seqlen > args.xla_max_seqlen:
+            continue
+        if impl == "fa3" and head_dim != 128:
+            continue
+        rec = dict(impl=impl, **point)
+        try:
+            run, once = make_loop(attention_fn(impl, causal), direction, q, k, v)
+            result = once()
+            n = calibrate(run, args.target_ms)
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run this point
+            print(f"  {impl:8s} {direction} hd{head_dim} s{seqlen} causal={causal}: "
+                  f"unsupported ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
+                  flush=True)
+            continue
+        nonfinite = int(result.size - jnp.isfinite(result).sum())
+        if nonfinite:  # wrong on its own; never the yardstick for the others
+            rec.update(nonfinite=nonfinite, suspect=True)
+            print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite values: its "
+                  f"time is not a valid figure", flush=True)
+        elif reference is None:
+            reference = (impl, result)
+        else:
+            err = relative_error(result, reference[1])
+            rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
+            if not err < args.max_rel_err:  # a wrong result's speed means nothing
+                rec["suspect"] = True
+                print(f"  WARNING {impl} {direction} differs from {reference[0]} by {err:.3g} "
+                      f"(relative): its time is not a valid figure", flush=True)
+        del result
+        ready.append((rec, run, n))
+    samples = [[] for _ in ready]
+    for _ in range(args.repeats):
+        for i, (_, run, n) in enumerate(ready):
+            samples[i].append(sample_ms(run, n))
+    for (rec, _, _), times in zip(ready, samples):
+        ms = statistics.median(times)
+        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+        print(f"  {rec['impl']:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{point['batch']:2d} "
+              f"h{point['heads']:2d} causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s",
+              flush=True)
+    return [rec for rec, _, _ in ready]
+
+
 def run_grid(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     records = []
@@ -149,45 +214,9 @@ def run_grid(args) -> list[dict]:
             q, k, v = (jax.random.normal(key, shape, dtype) for key in (kq, kk, kv))
             for causal in args.causal:
                 for direction in args.directions:
-                    reference = None  # the first result of this point: the others must match it
-                    for impl in args.impls:
-                        if impl == "xla" and seqlen > args.xla_max_seqlen:
-                            continue
-                        if impl == "fa3" and head_dim != 128:
-                            continue
-                        rec = dict(impl=impl, dtype=dtype.name, head_dim=head_dim, seqlen=seqlen,
-                                   batch=batch, heads=heads, causal=causal, direction=direction)
-                        try:
-                            fn = attention_fn(impl, causal)
-                            run, once = make_loop(fn, direction, q, k, v)
-                            result = once()
-                            ms = time_ms(run, args.target_ms, args.repeats)
-                        except Exception as err:  # noqa: BLE001 - a peer that cannot run this point
-                            print(f"  {impl:8s} {direction} hd{head_dim} s{seqlen} causal={causal}: "
-                                  f"unsupported ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
-                                  flush=True)
-                            continue
-                        flops = 4 * batch * heads * unmasked_pairs(seqlen, causal) * head_dim
-                        flops *= 2.5 if direction == "bwd" else 1.0
-                        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-                        nonfinite = int(result.size - jnp.isfinite(result).sum())
-                        if nonfinite:  # wrong on its own; never the yardstick for the others
-                            rec.update(nonfinite=nonfinite, suspect=True)
-                            print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite "
-                                  f"values: its time is not a valid figure", flush=True)
-                        elif reference is None:
-                            reference = (impl, result)
-                        else:
-                            err = relative_error(result, reference[1])
-                            rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
-                            if not err < args.max_rel_err:  # a wrong result's speed means nothing
-                                rec["suspect"] = True
-                                print(f"  WARNING {impl} {direction} differs from {reference[0]} by "
-                                      f"{err:.3g} (relative): its time is not a valid figure", flush=True)
-                        del result
-                        records.append(rec)
-                        print(f"  {impl:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{batch:2d} h{heads:2d} "
-                              f"causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)
+                    point = dict(dtype=dtype.name, head_dim=head_dim, seqlen=seqlen, batch=batch,
+                                 heads=heads, causal=causal, direction=direction)
+                    records += time_point(args, point, q, k, v)
     return records
 
 
