@@ -1,0 +1,67 @@
+"""The side-by-side benchmark's bookkeeping (benchmarks/bench_attention.py), on CPU.
+
+Its timings only mean something on the H200, but which figure it calls valid does not: a
+result that is wrong, or not finite, must be flagged and must never become the yardstick the
+other implementations are checked against. Stand-in implementations replace the real ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_attention  # noqa: E402
+
+
+def _stand_in(impl: str, causal: bool):
+    def exact(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+    if impl in ("exact", "exact_again"):
+        return exact
+    if impl == "wrong":
+        return lambda q, k, v: exact(q, k, v) * 1.5
+    if impl == "nan":
+        return lambda q, k, v: exact(q, k, v) * jnp.nan
+    raise RuntimeError(f"{impl} is not available here")
+
+
+@pytest.fixture
+def point_inputs(monkeypatch):
+    monkeypatch.setattr(bench_attention, "attention_fn", _stand_in)
+    shape = (2, 64, 2, 32)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.float32) for i in range(3))
+    return q, k, v
+
+
+def _time_point(impls, direction, q, k, v):
+    args = argparse.Namespace(impls=impls, xla_max_seqlen=0, target_ms=0.5, repeats=2,
+                              max_rel_err=0.02)
+    point = dict(dtype="float32", head_dim=32, seqlen=64, batch=2, heads=2, causal=True,
+                 direction=direction)
+    return {r["impl"]: r for r in bench_attention.time_point(args, point, q, k, v)}
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_wrong_and_nonfinite_results_are_flagged(point_inputs, direction):
+    recs = _time_point(["nan", "exact", "wrong", "exact_again", "missing"], direction,
+                       *point_inputs)
+    assert set(recs) == {"nan", "exact", "wrong", "exact_again"}  # "missing" cannot run: no record
+    assert recs["nan"]["suspect"] and recs["nan"]["nonfinite"] > 0
+    assert "rel_err_vs_nan" not in recs["exact"]  # the NaN result is never the reference
+    assert not recs["exact"].get("suspect")
+    assert recs["wrong"]["suspect"] and recs["wrong"]["rel_err_vs_exact"] > 0.02
+    assert not recs["exact_again"].get("suspect") and recs["exact_again"]["rel_err_vs_exact"] < 1e-6
+    for rec in recs.values():
+        assert rec["ms"] > 0 and rec["tflops"] >= 0 and rec["direction"] == direction
+
+
+def test_unmasked_pairs_and_grid_shape():
+    assert bench_attention.unmasked_pairs(4, causal=False) == 16
+    assert bench_attention.unmasked_pairs(4, causal=True) == 10
+    assert bench_attention.grid_shape(128, 8192, 16384, 2048) == (2, 8192, 16, 128)
