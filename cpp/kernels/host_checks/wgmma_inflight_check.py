@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 import sys
 
+import sass
+
 _REG = re.compile(r"-?\|?R(\d+)\|?(?:\.\w+)*")
 _NO_DEST = ("ST", "RED", "ATOM", "SYNCS", "BAR", "BRA", "SHFL", "EXIT", "RET", "CALL")
 
@@ -32,24 +34,10 @@ def _width(op: str) -> int:
     return 2 if ".64" in op else 1
 
 
-def _functions(path: str):
-    fn, out = None, {}
-    with open(path) as f:
-        for line in f:
-            m = re.search(r"Function : (\S+)", line)
-            if m:
-                fn = m.group(1)
-                out[fn] = []
-                continue
-            m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-            if m and fn:
-                out[fn].append((m.group(1), re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip())))
-    return out
-
-
 def check_function(name: str, instructions) -> int:
     in_flight, group, issues = [], None, 0  # committed groups (oldest first), open group
     for addr, text in instructions:
+        text = re.sub(r"^@!?U?P\w+\s+", "", text)  # drop the predicate guard
         op, _, rest = text.partition(" ")
         operands = [o for o in rest.split(",")]
         if op.startswith("HGMMA"):
@@ -77,13 +65,13 @@ def check_function(name: str, instructions) -> int:
             if dest is not None:
                 written = set(range(dest, dest + _width(op)))
                 if written & live_a:
-                    print(f"{name[:60]} {addr}: writes an A operand in flight: {text}")
+                    print(f"{name[:60]} {addr:#06x}: writes an A operand in flight: {text}")
                     issues += 1
                 if written & live_c:
-                    print(f"{name[:60]} {addr}: writes an accumulator in flight: {text}")
+                    print(f"{name[:60]} {addr:#06x}: writes an accumulator in flight: {text}")
                     issues += 1
         if any(_reg(s) in live_c for s in sources if _reg(s) is not None):
-            print(f"{name[:60]} {addr}: reads an accumulator in flight: {text}")
+            print(f"{name[:60]} {addr:#06x}: reads an accumulator in flight: {text}")
             issues += 1
     return issues
 
@@ -91,7 +79,7 @@ def check_function(name: str, instructions) -> int:
 def main(argv) -> int:
     pattern = argv[2] if len(argv) > 2 else "."
     total = 0
-    for name, instructions in _functions(argv[1]).items():
+    for name, instructions in sass.functions(argv[1]).items():
         if re.search(pattern, name) and any(t.startswith("HGMMA") for _, t in instructions):
             issues = check_function(name, instructions)
             print(f"{name[:100]}: {issues} issue(s)")

@@ -4,6 +4,10 @@ exponentials in each loop (a wait of P V before the exp2s means no intra-warpgro
 Usage: python3 sass_summary.py file.sass"""
 import re
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "host_checks"))
+import sass  # noqa: E402  (cpp/kernels/host_checks/sass.py)
 
 
 def short(name):
@@ -16,16 +20,7 @@ def short(name):
 
 
 def main(path):
-    funcs, cur = {}, None
-    for line in open(path):
-        m = re.search(r"Function : (\S+)", line)
-        if m:
-            cur = m.group(1)
-            funcs[cur] = []
-            continue
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m and cur:
-            funcs[cur].append((int(m.group(1), 16), m.group(2)))
+    funcs = sass.functions(path)
     for f, ins in funcs.items():
         text = [i for _, i in ins]
         hg = sum("HGMMA" in t for t in text)
