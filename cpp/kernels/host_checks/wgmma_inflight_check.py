@@ -39,7 +39,7 @@ def check_function(name: str, instructions) -> int:
     for addr, text in instructions:
         text = re.sub(r"^@!?U?P\w+\s+", "", text)  # drop the predicate guard
         op, _, rest = text.partition(" ")
-        operands = [o for o in rest.split(",")]
+        operands = rest.split(",")
         if op.startswith("HGMMA"):
             acc, a = _reg(operands[0]), _reg(operands[1])
             group = group or {"A": set(), "C": set()}
