@@ -13,7 +13,8 @@
 # round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_TESTS=1, SKIP_BENCH=1,
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
 # into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
-# Leaves at most 3 files in OUT_DIR (the device tool returns 8).
+# Leaves at most 7 files in OUT_DIR: build.log, info.txt, pytest_gpu.log and the benchmark's json, md,
+# png and bench.log (the device tool returns 8).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_cycle.sh OUT_DIR}
 mkdir -p "$OUT"
