@@ -13,6 +13,8 @@
 # AB_PIPELINE=1 builds the next variant (at nice 19) while this one is benchmarked: ~40% less
 # device time. The timing loop no longer waits on the host per call (bench_attention.py), but
 # measure a variant pair both ways before trusting pipelined figures for a close call.
+# AB_REUSE=1 benchmarks a variant already built by scripts/suite_variants.sh (or an earlier run)
+# instead of building it again.
 # OUT_DIR gets ab.log and ab_tables.md (every variant's table, in order).
 set -uo pipefail
 OUT=${1:?usage: scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
@@ -34,23 +36,23 @@ run_all() {
   for spec in "$@"; do
     name=${spec%%=*}
     [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "ab_variants: bad variant name '$name'"; return 2; }
-    rm -f "/tmp/ab_$name.rc"
+    [ "${AB_REUSE:-0}" = 1 ] && [ -f "/tmp/ab_$name.rc" ] || rm -f "/tmp/ab_$name.rc"
   done
   if [ "${AB_PIPELINE:-0}" = 1 ]; then  # every build, one after another, in the background
-    (for spec in "$@"; do build "${spec%%=*}" "${spec#*=}"; done) &
+    (for spec in "$@"; do [ -f "/tmp/ab_${spec%%=*}.rc" ] || build "${spec%%=*}" "${spec#*=}"; done) &
   fi
   for spec in "$@"; do
     name=${spec%%=*}
     echo "== variant $name: $var='${spec#*=}'"
     if [ "${AB_PIPELINE:-0}" = 1 ]; then
       while [ ! -f "/tmp/ab_$name.rc" ]; do sleep 2; done
-    else
+    elif [ ! -f "/tmp/ab_$name.rc" ]; then
       build "$name" "${spec#*=}"
     fi
     if [ "$(cat "/tmp/ab_$name.rc")" != 0 ]; then
       echo "variant $name: build failed"; tail -20 "/tmp/ab_$name.log"; status=1; continue
     fi
-    grep -E "built in|LDL/STL=[1-9]" "/tmp/ab_$name.log"
+    grep -sE "built in|LDL/STL=[1-9]" "/tmp/ab_$name.log"
     CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$name:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
       --out /tmp/ab_results --tag "$name" ${BENCH_ARGS:-} 2>&1 | grep -v "^  " || status=1
     cat /tmp/ab_results/*-"$name".md >>"$OUT/ab_tables.md" || status=1

@@ -9,6 +9,7 @@
 
 #include "bwd/bwd_main.cuh"
 #include "bwd/bwd_prepost.cuh"
+#include "bwd/bwd_split_d.cuh"
 #include "common/softmax.cuh"
 #include "fa3/launch.h"
 #include "fa3/params.h"
@@ -72,13 +73,24 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
       sc.scale_log2,
       sc.pre_tanh,
       p.opts.softmax_scale,
-      p.deterministic ? 1 : 0};
-  auto kernel = bwd_main_kernel<Tr>;
+      p.deterministic ? 1 : 0,
+      BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
+                   bwd_order_section(s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.batch,
+                                     Tr::kHeadDim, int(sizeof(Element)), p.opts.window_left,
+                                     p.opts.window_right)}};
+  auto kernel = [] {
+    if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
+    else return bwd_main_kernel<Tr>;
+  }();
   // Per call (cheap, no sync): the attribute is per device, and a static flag would be global state.
   if (auto err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
       err != cudaSuccess)
     return err;
-  dim3 grid((s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch);
+  // FA3_BWD_LPT: one linear index per CTA, decoded in the longest-first section order (the
+  // split-D kernel decodes the 3D grid itself: it keeps it).
+  const dim3 grid = FA3_BWD_LPT != 0 && !IsSplitD<Tr>::value
+                        ? dim3(mp.order.num_tiles())
+                        : dim3((s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch);
   kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
   return cudaGetLastError();
 }
@@ -87,13 +99,14 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
 
 template <typename Element, int kHeadDim>
 size_t bwd_workspace_bytes_impl(const BwdParams& p) {
-  return bwd::workspace_layout<bwd::BwdTraits<Element, kHeadDim, false>>(p).total;
+  return bwd::workspace_layout<bwd::BwdTraitsFor<Element, kHeadDim, false>>(p).total;
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
-  using Tr = bwd::BwdTraits<Element, kHeadDim, false>;
-  using TrCap = bwd::BwdTraits<Element, kHeadDim, true>;
+  // BwdTraitsFor: the split-D variant for hd256 under FA3_BWD_HD256_SPLIT_D=1, else BwdTraits.
+  using Tr = bwd::BwdTraitsFor<Element, kHeadDim, false>;
+  using TrCap = bwd::BwdTraitsFor<Element, kHeadDim, true>;
   const auto& s = p.shape;
   if (s.head_dim != kHeadDim) return cudaErrorInvalidValue;
   if (p.workspace == nullptr) return cudaErrorInvalidValue;

@@ -20,6 +20,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "bwd/bwd_order.cuh"
 #include "bwd/bwd_traits.cuh"
 #include "common/mask.cuh"
 #include "common/utils.cuh"
@@ -45,7 +46,21 @@ struct MainParams {
   float pre_tanh;          // softmax_scale / softcap
   float softmax_scale;
   int deterministic;
+  BwdTileOrder order;  // FA3_BWD_LPT: the 1D grid's CTA order (bwd_order.cuh)
 };
+
+// (key block, kv head, batch) of this CTA: from the 3D grid, or decoded from the 1D grid in the
+// longest-first section order (FA3_BWD_LPT). Each role calls it after its setmaxnreg.
+template <class Tr>
+CUTE_DEVICE void cta_coord(MainParams<Tr> const& p, int& n_block, int& hk, int& b) {
+  if constexpr (FA3_BWD_LPT != 0) {
+    p.order.decode(int(blockIdx.x), n_block, hk, b);
+  } else {
+    n_block = blockIdx.x;
+    hk = blockIdx.y;
+    b = blockIdx.z;
+  }
+}
 
 // Query blocks [m_begin, m_end) holding a row that sees some key of key block n_block.
 CUTE_HOST_DEVICE void query_block_range(BandMask const& band, int n_block, int block_n, int block_m,
@@ -105,6 +120,16 @@ CUTE_DEVICE void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.r
 CUTE_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
+// L2 policy of the Q/dO tile loads. Every key block of the head reads them again (the CTAs of a
+// head, or with FA3_BWD_LPT of a section of heads, run at about the same time), while K/V are
+// read once per CTA: -DFA3_BWD_QDO_EVICT_LAST=1 asks L2 to keep Q/dO (as FA3 does).
+#ifndef FA3_BWD_QDO_EVICT_LAST
+#define FA3_BWD_QDO_EVICT_LAST 0
+#endif
+CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() {
+  return FA3_BWD_QDO_EVICT_LAST ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
+}
+
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
 //   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).
 //   DetIn/DetOut: deterministic turn taking in the consumers (atomic dQ path, 256 threads).
@@ -120,7 +145,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     bwd_main_kernel(const __grid_constant__ MainParams<Tr> p) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  constexpr int kStages = Tr::kStages, kStagesdS = Tr::kStagesdS;
+  constexpr int kStages = Tr::kStages, kStagesdS = Tr::kStagesdS, kBlockMSdP = Tr::kBlockMSdP;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using Storage = typename Tr::SharedStorage;
@@ -153,7 +178,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     int m_begin, m_end;
     if (warp == 0) {
       Storage& ss = storage();
-      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+      int n_block, hk, b;
+      cta_coord(p, n_block, hk, b);
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
@@ -182,22 +208,25 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         uint32_t phase = 0;
         #pragma unroll 1
         for (int pass = 0; pass < Tr::kPasses; ++pass) {
+          // Walk the group's query heads by head index, and LSE/D rows by a running offset: with
+          // hk and b decoded from a 1D grid (FA3_BWD_LPT) rather than read from blockIdx, fewer
+          // loop values keep the 24-register producer free of spills.
+          const int h_first = hk * group, h_end = h_first + group;
+          int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
           #pragma unroll 1
-          for (int hi = 0; hi < group; ++hi) {
-            const int h = hk * group + hi;
+          for (int h = h_first; h < h_end; ++h, row0 += int64_t(p.m_blocks) * kBlockM) {
             Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
             Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
             Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
             Tensor tdOgdO = tma_do.partition_S(gdO);
-            const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
             const float* lse = p.lse_log2 + row0;
             const float* dpsum = p.dpsum + row0;
             #pragma unroll 1
             for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
               ClusterBar::wait(&ss.empty[stage], phase ^ 1);
               TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
-              copy(p.tma_q.with(ss.full[stage]), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-              copy(p.tma_do.with(ss.full[stage]), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
+              copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+              copy(p.tma_do.with(ss.full[stage], 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
               SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
               SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
               if (++stage == kStages) { stage = 0; phase ^= 1; }
@@ -207,7 +236,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       }
     } else if (Tr::kDQSmem && warp == 1) {
       Storage& ss = storage();
-      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+      int n_block, hk, b;
+      cta_coord(p, n_block, hk, b);
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
@@ -279,7 +309,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
     Storage& ss = storage();
-    const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    int n_block, hk, b;
+    cta_coord(p, n_block, hk, b);
     const int group = p.heads_q / p.heads_kv;
     BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
     int m_begin, m_end;
@@ -306,20 +337,27 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     auto thr_dkv = mma_dkv.get_thread_slice(ct);
     auto thr_dq = mma_dq.get_thread_slice(ct);
 
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);    // descriptors
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);    // (MMA, N, K, stage)
+    // Q/dO rows as (kBlockMSdP, head_dim, sub-step, 1, stage): the B operands of S^T/dP^T per
+    // sub-step (kSubM = 1: the whole step).
+    auto sub_rows = [](auto const& t) { return flat_divide(t, Shape<Int<kBlockMSdP>, Int<kHeadDim>>{}); };
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);              // descriptors
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sub_rows(sQ));    // (MMA, N, K, sub, 1, stage)
     Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tdPrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdPrdO = thr_sdp.partition_fragment_B(sub_rows(sdO));
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, dS stage)
 
-    // Coordinates (key row, query column) of this thread's S^T accumulator elements.
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockM>>{}));
+    // Coordinates (key row, query column of the sub-step) of this thread's S^T accumulator elements.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
     // Coordinates (key row, column) of this thread's dK/dV accumulator elements.
     Tensor tdKVc = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<Tr::kHdPass>>{}));
 
     auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_ds_copy = ds_copy.get_thread_slice(ct);
-    Tensor tdSsdS = thr_ds_copy.partition_D(as_position_independent_swizzle_tensor(sdSt));  // (CPY, M, N, stage)
+    // dS^T destination per sub-step: (CPY, M, N, 1, sub, stage). The view is taken over the
+    // whole (1024 B aligned) tile, so the swizzle still sees offsets from the tile base
+    // (layout_check.cu compares it with SmemLayoutdSt).
+    Tensor tdSsdS = thr_ds_copy.partition_D(as_position_independent_swizzle_tensor(
+        flat_divide(sdSt, Shape<Int<kBlockN>, Int<kBlockMSdP>>{})));
 
     const int n0 = n_block * kBlockN;
     const bool n_partial = n0 + kBlockN > p.seqlen_k;
@@ -347,8 +385,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         const int h = hk * group + hi;
         for (int m = m_begin; m < m_end; ++m) {
           const int m0 = m * kBlockM;
-          const bool need_mask =
-              n_partial || !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN);
+          // Per sub-step: does the band or the key bound cut through its (query, key) tile?
+          bool need_mask[Tr::kSubM];
+          CUTLASS_PRAGMA_UNROLL
+          for (int sub = 0; sub < Tr::kSubM; ++sub) {
+            const int q0 = m0 + sub * kBlockMSdP;
+            need_mask[sub] =
+                n_partial || !band.block_is_interior(q0, min(q0 + kBlockMSdP, p.seqlen_q) - 1, n0, kBlockN);
+          }
           const int stage = it % kStages;
           const uint32_t phase = (it / kStages) & 1;
           const int ds_stage = it % kStagesdS;
@@ -356,178 +400,193 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
           const bool pending = Tr::kOverlapDK && it != it_pass;
           TxBar::wait(&ss.full[stage], phase);
 
-          Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-          Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockM>>{});
-          wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), tSrS);
-          wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), tdPrdP);
-          // P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T o (dP^T - D) (o tanh' with
-          // softcap); rows = keys, columns = queries.
-          const float* lse = ss.lse.data() + stage * kBlockM;
-          const float* dpsum = ss.dpsum.data() + stage * kBlockM;
-          // Per-query statistics of accumulator element i (column get<1>(tScS(i))). kShuffleStats:
-          // lane L keeps columns 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread
-          // that needs column c = 8j + 2(lane % 4) + e (element i = e + 2 r + 4 j of the
-          // ((2,2,kBlockM/8),1,1) accumulator) takes it from lane (c % 64) / 2 by a shuffle:
-          // kBlockM/32 registers per statistic instead of up to kBlockM/4 loaded values.
-          float2 lse_r[kBlockM / 64], dpsum_r[kBlockM / 64];
-          if constexpr (Tr::kShuffleStats) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int c64 = 0; c64 < kBlockM / 64; ++c64) {
-              lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
-              dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
-            }
-          }
-          auto stat = [&](const float* sm, float2 const (&r)[kBlockM / 64], int i) {
+          // The step's query rows in kSubM sub-steps of kBlockMSdP columns (one for every tile but
+          // hd64 at 128 rows, which has two): each computes S^T, dP^T, P^T, dS^T and dV and stores
+          // its dS^T columns with the registers of a 64-row step. A sub-step's dK is issued at
+          // once and retired by the next sub-step's first wait; the last one's follows the dQ
+          // GEMM (and with kOverlapDK stays in flight into the next step). The dS barrier, the
+          // dQ GEMM and its hand-off come once per step.
+          CUTLASS_PRAGMA_UNROLL
+          for (int sub = 0; sub < Tr::kSubM; ++sub) {
+            const bool last = sub == Tr::kSubM - 1;
+            const int q0 = m0 + sub * kBlockMSdP;  // first query row of the sub-step
+            Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{});
+            Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{});
+            wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
+            wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
+            // P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T o (dP^T - D) (o tanh' with
+            // softcap); rows = keys, columns = queries.
+            const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
+            const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
+            // Per-query statistics of accumulator element i (column get<1>(tScS(i))). kShuffleStats:
+            // lane L keeps columns 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread
+            // that needs column c = 8j + 2(lane % 4) + e (element i = e + 2 r + 4 j of the
+            // ((2,2,kBlockMSdP/8),1,1) accumulator) takes it from lane (c % 64) / 2 by a shuffle:
+            // kBlockMSdP/32 registers per statistic instead of up to kBlockMSdP/4 loaded values.
+            float2 lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
             if constexpr (Tr::kShuffleStats) {
-              const int j = i / 4;
-              const float2 v = r[j / 8];
-              return __shfl_sync(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8) + ct % 4);
-            } else {
-              return sm[get<1>(tScS(i))];
+              CUTLASS_PRAGMA_UNROLL
+              for (int c64 = 0; c64 < kBlockMSdP / 64; ++c64) {
+                lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
+                dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
+              }
             }
-          };
-          // The band/key-bound mask runs as its own pass, only on boundary blocks, so the
-          // exponentials of interior blocks carry no per-element coordinates or branches.
-          auto apply_mask = [&]() {
-            if (need_mask) {
+            auto stat = [&](const float* sm, float2 const (&r)[kBlockMSdP / 64], int i) {
+              if constexpr (Tr::kShuffleStats) {
+                const int j = i / 4;
+                const float2 v = r[j / 8];
+                return __shfl_sync(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8) + ct % 4);
+              } else {
+                return sm[get<1>(tScS(i))];
+              }
+            };
+            // The band/key-bound mask runs as its own pass, only on boundary blocks, so the
+            // exponentials of interior blocks carry no per-element coordinates or branches.
+            auto apply_mask = [&]() {
+              if (need_mask[sub]) {
+                CUTLASS_PRAGMA_UNROLL
+                for (int i = 0; i < size(tSrS); ++i) {
+                  const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
+                  const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                  if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) tSrS(i) = 0.f;
+                }
+              }
+            };
+            if constexpr (Tr::kOverlapP && !Tr::kSoftcap) {
+              // Groups in flight: [dK of the previous step | dV, dK of the previous sub-step,]
+              // S^T, dP^T. Waiting down to one completes all but dP^T; P is computed while dP^T
+              // runs.
+              warpgroup_wait<1>();
+              warpgroup_fence_operand(tSrS);
+              if (sub == 0 && pending) {
+                warpgroup_fence_operand(tdKrdK);
+                release(prev_stage);
+              }
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - stat(lse, lse_r, i));
+              apply_mask();
+              warpgroup_wait<0>();
+              warpgroup_fence_operand(tdPrdP);
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
+            } else {
+              // Softcap needs tanh' next to dP^T: P and dS^T in one pass after both GEMMs (v1),
+              // which keeps only S^T and dP^T live next to dK/dV.
+              warpgroup_wait<0>();
+              warpgroup_fence_operand(tSrS);
+              warpgroup_fence_operand(tdPrdP);
+              if (sub == 0 && pending) {
+                warpgroup_fence_operand(tdKrdK);
+                release(prev_stage);
+              }
               CUTLASS_PRAGMA_UNROLL
               for (int i = 0; i < size(tSrS); ++i) {
-                const int j = n0 + get<0>(tScS(i)), qi = m0 + get<1>(tScS(i));
-                const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-                if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) tSrS(i) = 0.f;
-              }
-            }
-          };
-          if constexpr (Tr::kOverlapP && !Tr::kSoftcap) {
-            // Groups in flight: [dK of the previous step,] S^T, dP^T. Waiting down to one
-            // completes the previous dK and S^T; P is computed while dP^T runs.
-            warpgroup_wait<1>();
-            warpgroup_fence_operand(tSrS);
-            if (pending) {
-              warpgroup_fence_operand(tdKrdK);
-              release(prev_stage);
-            }
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - stat(lse, lse_r, i));
-            apply_mask();
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tdPrdP);
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
-          } else {
-            // Softcap needs tanh' next to dP^T: P and dS^T in one pass after both GEMMs (v1),
-            // which keeps only S^T and dP^T live next to dK/dV.
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tSrS);
-            warpgroup_fence_operand(tdPrdP);
-            if (pending) {
-              warpgroup_fence_operand(tdKrdK);
-              release(prev_stage);
-            }
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tSrS); ++i) {
-              float s = tSrS(i), dtanh = 1.f;
-              if constexpr (Tr::kSoftcap) {
-                s = tanhf(s * p.pre_tanh);
-                dtanh = 1.f - s * s;
-              }
-              float pv = exp2f(s * p.scale_log2 - stat(lse, lse_r, i));
-              if (need_mask) {
-                const int j = n0 + get<0>(tScS(i)), qi = m0 + get<1>(tScS(i));
-                const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-                if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
-              }
-              tSrS(i) = pv;
-              tdPrdP(i) = pv * dtanh * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
-            }
-          }
-          Tensor rP = make_tensor<Element>(tSrS.layout());
-          convert_fragment(tSrS, rP);
-          Tensor rdS = make_tensor<Element>(tdPrdP.layout());
-          convert_fragment(tdPrdP, rdS);
-          // dV += P^T dO (this pass's columns).
-          {
-            Tensor sdOt_p = local_tile(sdOt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockM>>{},
-                                       make_coord(pass, _0{}));
-            Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt_p);
-            Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-            wgmma_gemm<false, -1>(mma_dkv, tdVrP, tdVrdO, tdVrdV);
-          }
-
-          if (dq_pass) {
-            if constexpr (kStagesdS == 1) {
-              // The other warpgroup may still read the single dS buffer (previous dQ GEMM).
-              cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
-            }
-            Tensor tdSrdS = thr_ds_copy.retile_S(rdS);
-            copy(ds_copy, tdSrdS, tdSsdS(_, _, _, ds_stage));
-            cutlass::arch::fence_view_async_shared();
-            cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
-          }
-          // dK += dS^T Q (this pass's columns); issued after the first dQ chunk below when dq_pass.
-          Tensor sQt_p = local_tile(sQt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockM>>{},
-                                    make_coord(pass, _0{}));
-          Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt_p);
-          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-
-          if (dq_pass) {
-            const int64_t acc_base =
-                ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
-            int* sem = p.dq_sem + (int64_t(b) * p.heads_q + h) * p.m_blocks + m;
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < Tr::kDQChunks; ++c) {
-              Tensor sKt_c = local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(c, _0{}));
-              Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);
-              Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{});
-              wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
-              if (c == 0) {
-                wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
-                warpgroup_wait<1>();  // dV and dQ chunk 0 done; dK may still run
-              } else {
-                warpgroup_wait<0>();
-              }
-              warpgroup_fence_operand(tdQrdQ);
-              if constexpr (Tr::kDQSmem) {
-                // Hand the tile to the dQ writer: wait until it has read the previous one.
-                float4* dst = reinterpret_cast<float4*>(ss.dq.data() + wg * Tr::kDQWgFloats);
-                // Barrier ids as immediates (a warp-uniform branch): no registers held for them.
-                if (wg == 0) cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0);
-                else cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0 + 1);
-                CUTLASS_PRAGMA_UNROLL
-                for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-                  dst[j * 128 + t_in_wg] =
-                      make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
+                float s = tSrS(i), dtanh = 1.f;
+                if constexpr (Tr::kSoftcap) {
+                  s = tanhf(s * p.pre_tanh);
+                  dtanh = 1.f - s * s;
                 }
-                cutlass::arch::fence_view_async_shared();  // generic smem writes -> bulk copy
-                if (wg == 0) cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0);
-                else cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0 + 1);
-              } else {
-                if (c == 0 && p.deterministic) {
-                  int nb, ne;
-                  band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
-                  if (ct == 0) {
-                    while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
+                float pv = exp2f(s * p.scale_log2 - stat(lse, lse_r, i));
+                if (need_mask[sub]) {
+                  const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
+                  const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                  if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
+                }
+                tSrS(i) = pv;
+                tdPrdP(i) = pv * dtanh * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
+              }
+            }
+            Tensor rP = make_tensor<Element>(tSrS.layout());
+            convert_fragment(tSrS, rP);
+            Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+            convert_fragment(tdPrdP, rdS);
+            // dV += P^T dO (this pass's columns).
+            {
+              Tensor sdOt_p = local_tile(sdOt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockMSdP>>{},
+                                         make_coord(pass, sub));
+              Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt_p);
+              Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+              wgmma_gemm<false, -1>(mma_dkv, tdVrP, tdVrdO, tdVrdV);
+            }
+
+            if (dq_pass) {
+              if (kStagesdS == 1 && sub == 0) {
+                // The other warpgroup may still read the single dS buffer (previous dQ GEMM).
+                cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
+              }
+              Tensor tdSrdS = thr_ds_copy.retile_S(rdS);
+              copy(ds_copy, tdSrdS, tdSsdS(_, _, _, 0, sub, ds_stage));
+              if (last) {  // this warpgroup's part of the dS tile is complete
+                cutlass::arch::fence_view_async_shared();
+                cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
+              }
+            }
+            // dK += dS^T Q (this pass's columns); in the last sub-step of a dq_pass issued after
+            // the first dQ chunk below.
+            Tensor sQt_p = local_tile(sQt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockMSdP>>{},
+                                      make_coord(pass, sub));
+            Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt_p);
+            Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+
+            if (dq_pass && last) {
+              const int64_t acc_base =
+                  ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
+              int* sem = p.dq_sem + (int64_t(b) * p.heads_q + h) * p.m_blocks + m;
+              CUTLASS_PRAGMA_UNROLL
+              for (int c = 0; c < Tr::kDQChunks; ++c) {
+                Tensor sKt_c = local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(c, _0{}));
+                Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);
+                Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{});
+                wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
+                if (c == 0) {
+                  wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
+                  warpgroup_wait<1>();  // dV and dQ chunk 0 done; dK may still run
+                } else {
+                  warpgroup_wait<0>();
+                }
+                warpgroup_fence_operand(tdQrdQ);
+                if constexpr (Tr::kDQSmem) {
+                  // Hand the tile to the dQ writer: wait until it has read the previous one.
+                  float4* dst = reinterpret_cast<float4*>(ss.dq.data() + wg * Tr::kDQWgFloats);
+                  // Barrier ids as immediates (a warp-uniform branch): no registers held for them.
+                  if (wg == 0) cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0);
+                  else cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0 + 1);
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+                    dst[j * 128 + t_in_wg] =
+                        make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
                   }
-                  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
-                }
-                float4* acc = reinterpret_cast<float4*>(
-                    p.dq_accum + acc_base + int64_t(c) * (kBlockM * Tr::kHdChunk) +
-                    int64_t(wg) * Tr::kDQWgFloats);
-                CUTLASS_PRAGMA_UNROLL
-                for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-                  atomicAdd(acc + j * 128 + t_in_wg,
-                            make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+                  cutlass::arch::fence_view_async_shared();  // generic smem writes -> bulk copy
+                  if (wg == 0) cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0);
+                  else cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0 + 1);
+                } else {
+                  if (c == 0 && p.deterministic) {
+                    int nb, ne;
+                    band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
+                    if (ct == 0) {
+                      while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
+                    }
+                    cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
+                  }
+                  float4* acc = reinterpret_cast<float4*>(
+                      p.dq_accum + acc_base + int64_t(c) * (kBlockM * Tr::kHdChunk) +
+                      int64_t(wg) * Tr::kDQWgFloats);
+                  CUTLASS_PRAGMA_UNROLL
+                  for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+                    atomicAdd(acc + j * 128 + t_in_wg,
+                              make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+                  }
                 }
               }
+              if (!Tr::kDQSmem && p.deterministic) {
+                __threadfence();
+                cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);
+                if (ct == 0) red_release_add(sem, 1);
+              }
+            } else {
+              wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
             }
-            if (!Tr::kDQSmem && p.deterministic) {
-              __threadfence();
-              cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);
-              if (ct == 0) red_release_add(sem, 1);
-            }
-          } else {
-            wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
-          }
+          }  // sub-steps
           if constexpr (Tr::kOverlapDK) {
             // dK stays in flight into the next step; its Q stage is released there.
           } else {

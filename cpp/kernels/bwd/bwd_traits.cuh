@@ -10,6 +10,8 @@
 //   dK  += dS^T Q           (RS-WGMMA)
 // and dS^T goes to shared memory (queries contiguous) so both warpgroups can compute
 //   dQ   = dS K             (kBlockM x head_dim, SS-WGMMA; the warpgroups split head_dim)
+// A step may cover its kBlockM rows in sub-steps of kBlockMSdP columns (hd64 at 128 rows): the
+// five lines above S^T .. dK run per sub-step, dQ and its hand-off once per step.
 // which is added in fp32 to a global accumulator with vector atomics. Computing S transposed
 // makes both dK and dV register-sourced GEMMs (no P/dS round trip through shared memory for
 // them) and keeps dK/dV accumulation for the CTA's keys in registers.
@@ -33,7 +35,9 @@ using namespace cute;
 // query blocks (S and dP are recomputed per pass): register pressure, not smem, limits d >= 192
 // (dK + dV for 64 keys x 256 columns would be 256 fp32 registers per thread). kDQChunks splits
 // the dQ GEMM into sequential column chunks for the same reason.
-//   kBlockM   query rows per step (the N side of S^T; 64 keeps S^T + dP^T at 64 registers)
+//   kBlockM   query rows per step: one Q/dO stage, one dS barrier, one dQ GEMM and hand-off
+//   kBlockMSdP query columns of one S^T/dP^T sub-step (the N side of S^T; 64 keeps S^T + dP^T at
+//             64 registers); kBlockM / kBlockMSdP sub-steps per step
 //   kStages   Q/dO/LSE/D shared-memory stages (TMA ring)
 //   kStagesdS dS buffers (2 lets the next step write dS while the other warpgroup still reads)
 template <int kHeadDim> struct BwdTile;
@@ -44,10 +48,13 @@ template <int kHeadDim> struct BwdTile;
 // dK GEMM of one step stays in flight across the dQ hand-off and the next step's S^T/dP^T issue
 // (its Q stage is released one step later). Costs 16-32 registers (dS^T of the step in flight).
 // 64: 64 query rows per step by default (spill-free with both overlaps). 128 rows
-//     (-DFA3_BWD_HD64_BLOCK_M=128, FA3's choice) halves the steps and their barriers/waits, but
-//     S^T + dP^T take 128 registers: without overlap ptxas spills 24 B (148 B softcap), with
-//     overlap 200+ B, so 128 rows run without overlap. smem 16+16 (K,V) + 64 (Q,dO x2)
-//     + 64 (dS x2) + 32 (dQ) = 192 KB at 128 rows.
+//     (-DFA3_BWD_HD64_BLOCK_M=128, FA3's step length) halves the per-step fixed costs (stage
+//     wait/release, dS barrier, dQ GEMM wait and hand-off, the writer's bulk reduce). S^T + dP^T
+//     over 128 columns would take 128 registers (spills 16/56 B without overlap, 200+ B with), so
+//     the step runs S^T .. dK as two 64-column sub-steps (kBlockMSdP = 64): each has the 64-row
+//     step's registers and both overlaps (P during dP^T; the dK of one sub-step stays in flight
+//     over the next sub-step's S^T/dP^T). smem 16+16 (K,V) + 64 (Q,dO x2) + 64 (dS x2)
+//     + 32 (dQ) = 192 KB: 2 stages (a third would need 224 KB + stats: over the limit).
 // Overlap defaults for the d <= 128 tiles (-DFA3_BWD_OVERLAP_P=0 / -DFA3_BWD_OVERLAP_DK=0 turn
 // one part off for A/B runs; ptxas: see NOTES.md).
 #ifndef FA3_BWD_OVERLAP_P
@@ -64,12 +71,15 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_HD256_OVERLAP
 #define FA3_BWD_HD256_OVERLAP 0
 #endif
+#ifndef FA3_BWD_HD64_BLOCK_M
+#define FA3_BWD_HD64_BLOCK_M 64  // 128: two 64-column sub-steps per step (see the comment above)
+#endif
 // Q/dO/LSE/D ring depth. With the dK overlap a stage is released one step late, so with 2
 // stages the TMA for step i+2 starts only once step i+1 is under way; short steps (small head
 // dims) get a third stage where smem allows (hd64: 144 KB, hd96: 200 KB; hd128 would need
-// 224 KB + stats: see NOTES.md).
+// 224 KB + stats: see NOTES.md). hd64 at 128 rows: steps as long as hd128's, 2 stages.
 #ifndef FA3_BWD_HD64_STAGES
-#define FA3_BWD_HD64_STAGES 3
+#define FA3_BWD_HD64_STAGES (FA3_BWD_HD64_BLOCK_M == 128 ? 2 : 3)
 #endif
 #ifndef FA3_BWD_HD96_STAGES
 #define FA3_BWD_HD96_STAGES 3
@@ -77,22 +87,16 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_HD128_STAGES
 #define FA3_BWD_HD128_STAGES 2
 #endif
-#ifndef FA3_BWD_HD64_OVERLAP128
-#define FA3_BWD_HD64_OVERLAP128 0
-#endif
-#ifndef FA3_BWD_HD64_BLOCK_M
-#define FA3_BWD_HD64_BLOCK_M 64  // 128: see the comment below (A/B candidate, spills with overlap)
-#endif
-template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P && (kBlockM == 64 || FA3_BWD_HD64_OVERLAP128), kOverlapDK = FA3_BWD_OVERLAP_DK && (kBlockM == 64 || FA3_BWD_HD64_OVERLAP128); };
+template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 96: dK+dV 96 regs; smem 24+24 + 48 + 16 + 24 (dQ) KB.
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kStages = FA3_BWD_HD96_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD96_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
 //      + 32 (dQ) = 192 KB.
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kStages = FA3_BWD_HD128_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD128_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer).
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD192_OVERLAP, kOverlapDK = FA3_BWD_HD192_OVERLAP; };
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD192_OVERLAP, kOverlapDK = FA3_BWD_HD192_OVERLAP; };
 // 256: two passes of 128; dQ in two chunks; smem 64+64 + 64 (one stage) + 16 = 208 KB.
-template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD256_OVERLAP, kOverlapDK = FA3_BWD_HD256_OVERLAP; };
+template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD256_OVERLAP, kOverlapDK = FA3_BWD_HD256_OVERLAP; };
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -117,6 +121,8 @@ struct BwdTraits {
   static constexpr bool kSoftcap = kSoftcap_;
   using Tile = BwdTile<kHeadDim>;
   static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockMSdP = Tile::kBlockMSdP;    // query columns per S^T/dP^T sub-step
+  static constexpr int kSubM = kBlockM / kBlockMSdP;     // sub-steps per step
   static constexpr int kBlockN = 128;
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
@@ -146,7 +152,7 @@ struct BwdTraits {
 #else
   static constexpr bool kShuffleStats = true;
 #endif
-  static_assert(kBlockM % 64 == 0);
+  static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 64 == 0);
   static_assert(!kDQSmem || (kPasses == 1 && kDQChunks == 1 && kNumMmaWG == 2), "smem dQ path: one pass, one chunk, 2 WGs");
   // Floats of one warpgroup's dQ tile (its half of the columns), in fragment order.
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
@@ -187,13 +193,13 @@ struct BwdTraits {
                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
 
   // ---- WGMMA tilings (2 consumer warpgroups)
-  // S^T, dP^T: (keys 128, queries kBlockM, head_dim); warpgroups split the keys.
+  // S^T, dP^T: (keys 128, queries kBlockMSdP, head_dim); warpgroups split the keys.
   using MmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockMSdP>, Int<kHeadDim>>>(),
       Layout<Shape<_2, _1, _1>>{}));
-  // dV, dK: (keys 128, kHdPass, queries kBlockM), A = P^T / dS^T from registers.
+  // dV, dK: (keys 128, kHdPass, queries kBlockMSdP), A = P^T / dS^T of one sub-step from registers.
   using MmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHdPass>, Int<kBlockM>>,
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHdPass>, Int<kBlockMSdP>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
   // dQ chunk: (queries kBlockM, kHdChunk, keys 128); warpgroups split the columns.

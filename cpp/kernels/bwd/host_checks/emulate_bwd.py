@@ -25,7 +25,13 @@ import helpers  # noqa: E402
 
 UNB = 1 << 30
 # Query rows per step: 64 (default tiles) or 128 (FA3_BWD_HD64_BLOCK_M=128): BWD_BLOCK_M=128.
-BM, BN = int(os.environ.get("BWD_BLOCK_M", "64")), 128
+# Keys per CTA: 128 (default tiles) or 64 (the split-D hd256 variant, FA3_BWD_HD256_SPLIT_D=1):
+# BWD_BLOCK_N=64.
+BM, BN = int(os.environ.get("BWD_BLOCK_M", "64")), int(os.environ.get("BWD_BLOCK_N", "128"))
+# Query columns per S^T/dP^T sub-step (kBlockMSdP): 64 for every tile (hd64 at 128 rows runs two
+# sub-steps per step, each with its own mask decision; dS of both meets in one dQ GEMM).
+SM = int(os.environ.get("BWD_SDP_M", "64"))
+assert BM % SM == 0
 LOG2E = 1.4426950408889634
 
 
@@ -64,6 +70,7 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
         scale_log2, pre_tanh = scale * LOG2E, 1.0
     dq_acc = np.zeros((b, hq, sq_pad, d))
     dk, dv = np.zeros_like(k), np.zeros_like(v)
+    sub_step = sub_step_fn(sq, sk, wl, wr, softcap, scale_log2, pre_tanh)
     for bi, hk, n in itertools.product(range(b), range(hkv), range(nb)):
         m_begin, m_end = query_block_range(sq, sk, wl, wr, n)
         n0 = n * BN
@@ -72,34 +79,47 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
         for h in range(hk * g, hk * g + g):
             for m in range(m_begin, m_end):
                 m0 = m * BM
-                Q, dO = qp[bi, m0:m0 + BM, h], dop[bi, m0:m0 + BM, h]
-                L, D = lse2[bi, h, m0:m0 + BM], dpsum[bi, h, m0:m0 + BM]
-                St, dPt = K @ Q.T, V @ dO.T  # (keys, queries)
-                if softcap:
-                    t = np.tanh(St * pre_tanh)
-                    dtanh = 1 - t * t
-                    with np.errstate(invalid="ignore"):
-                        Pt = np.exp2(t * scale_log2 - L[None, :])
-                else:
-                    dtanh = 1.0
-                    with np.errstate(invalid="ignore"):
-                        Pt = np.exp2(St * scale_log2 - L[None, :])
-                interior = block_is_interior(sq, sk, wl, wr, m0, min(m0 + BM, sq) - 1, n0)
-                if not interior:
-                    j = n0 + np.arange(BN)[:, None]
-                    i = m0 + np.arange(BM)[None, :]
-                    rel = (j - sk) - (i - sq)
-                    Pt = np.where((j >= sk) | (rel < -wl) | (rel > wr), 0.0, Pt)
-                assert np.isfinite(Pt).all(), "P must be finite"
-                dSt = Pt * dtanh * (dPt - D[None, :])
-                dV += Pt @ dO
-                dK += dSt @ Q
-                dq_acc[bi, h, m0:m0 + BM] += dSt.T @ K
+                dSt_step = np.zeros((BN, BM))  # the step's dS^T tile (shared memory in the kernel)
+                for q0 in range(m0, m0 + BM, SM):  # sub-steps
+                    dSt_step[:, q0 - m0:q0 - m0 + SM] = sub_step(
+                        qp[bi, q0:q0 + SM, h], dop[bi, q0:q0 + SM, h], lse2[bi, h, q0:q0 + SM],
+                        dpsum[bi, h, q0:q0 + SM], K, V, q0, n0, dK, dV)
+                dq_acc[bi, h, m0:m0 + BM] += dSt_step.T @ K
         keys = slice(n0, min(n0 + BN, sk))
         dk[bi, keys, hk] = (dK * scale)[: keys.stop - n0]
         dv[bi, keys, hk] = dV[: keys.stop - n0]
     dq = (dq_acc[:, :, :sq] * scale).transpose(0, 2, 1, 3)
     return dq, dk, dv
+
+
+def sub_step_fn(sq, sk, wl, wr, softcap, scale_log2, pre_tanh):
+    """The kernel's S^T/dP^T sub-step for one problem: SM query columns from row q0 against the
+    CTA's keys; accumulates dK, dV and returns dS^T (keys, SM) for the step's dQ."""
+
+    def sub_step(Q, dO, L, D, K, V, q0, n0, dK, dV):
+        St, dPt = K @ Q.T, V @ dO.T  # (keys, queries)
+        if softcap:
+            t = np.tanh(St * pre_tanh)
+            dtanh = 1 - t * t
+            with np.errstate(invalid="ignore"):
+                Pt = np.exp2(t * scale_log2 - L[None, :])
+        else:
+            dtanh = 1.0
+            with np.errstate(invalid="ignore"):
+                Pt = np.exp2(St * scale_log2 - L[None, :])
+        interior = block_is_interior(sq, sk, wl, wr, q0, min(q0 + SM, sq) - 1, n0)
+        if not interior:
+            j = n0 + np.arange(BN)[:, None]
+            i = q0 + np.arange(SM)[None, :]
+            rel = (j - sk) - (i - sq)
+            Pt = np.where((j >= sk) | (rel < -wl) | (rel > wr), 0.0, Pt)
+        assert np.isfinite(Pt).all(), "P must be finite"
+        dSt = Pt * dtanh * (dPt - D[None, :])
+        dV += Pt @ dO
+        dK += dSt @ Q
+        return dSt
+
+    return sub_step
 
 
 def check_turn_order(rng, trials=3000):
@@ -149,7 +169,7 @@ def main():
             err = float(np.abs(a - r).max()) / max(float(np.abs(r).max()), 1.0)
             worst = max(worst, err)
             assert np.isfinite(a).all() and err < 1e-9, (name, b, sq, sk, hq, hkv, d, wl, wr, cap, err)
-    print(f"BM={BM}: {len(cases)} cases: emulated kernel algorithm matches the float64 gradients "
+    print(f"BM={BM}, SM={SM}: {len(cases)} cases: emulated kernel algorithm matches the float64 gradients "
           f"(max err relative to max(|ref|, 1): {worst:.1e})")
 
 

@@ -1,7 +1,8 @@
 // Host check (no GPU) of the backward's register and shared-memory index maps, per head dim:
 // the S^T accumulator re-viewed as the RS-WGMMA A operand of dV/dK holds the same (key, query)
 // elements; the shuffled-statistics column map holds; dQ/dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the
-// chunk exactly once (postprocess inverse); transposed smem views are true transposes.
+// chunk exactly once (postprocess inverse); transposed smem views are true transposes; the
+// sub-step views (kBlockMSdP columns of a kBlockM step: hd64 at 128 rows) address the step's tiles.
 // Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //   -I cpp/include -I cpp/kernels -I <cutlass include> layout_check.cu -o /tmp/check && /tmp/check
 #include <cstdio>
@@ -12,15 +13,16 @@ template <int HD>
 int check() {
   using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
+  constexpr int SM = Tr::kBlockMSdP;  // S^T/dP^T accumulator columns (one sub-step)
   typename Tr::MmaSdP mma_sdp;
   typename Tr::MmadKV mma_dkv;
   int bad = 0;
   for (int ct = 0; ct < 256; ++ct) {
     auto thr_sdp = mma_sdp.get_thread_slice(ct);
     auto thr_dkv = mma_dkv.get_thread_slice(ct);
-    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));  // (key, query)
-    Tensor cA = thr_dkv.partition_A(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));  // (key, query as K)
-    auto frag = make_tensor<float>(partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<BM>>{}).layout());
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<BN>, Int<SM>>{}));  // (key, query)
+    Tensor cA = thr_dkv.partition_A(make_identity_tensor(Shape<Int<BN>, Int<SM>>{}));  // (key, query as K)
+    auto frag = make_tensor<float>(partition_fragment_C(mma_sdp, Shape<Int<BN>, Int<SM>>{}).layout());
     auto alay = fa3::acc_as_operand_a(frag.layout());
     if (size(cA) != size(cS)) { printf("size mismatch\n"); return 1; }
     // A-fragment logical index i lives in register alay(i) of the accumulator; its coordinate as
@@ -74,6 +76,16 @@ int check() {
       if (Q(m, d, s) != Qt(d, m, s)) ++bad;
     auto K = typename Tr::SmemLayoutK{}; auto Kt = typename Tr::SmemLayoutKt{};
     for (int n = 0; n < BN; ++n) for (int d = 0; d < HD; ++d) if (K(n, d) != Kt(d, n)) ++bad;
+    // Sub-step views (bwd_main.cuh): Q/dO rows as the S^T/dP^T B operand (flat_divide: (SM, HD,
+    // sub, 1, stage)); dS^T destination (flat_divide: (BN, SM, 1, sub, stage)).
+    auto Qs = flat_divide(Q, Shape<Int<SM>, Int<HD>>{});
+    auto dSts = flat_divide(dSt, Shape<Int<BN>, Int<SM>>{});
+    for (int sub = 0; sub < BM / SM; ++sub) {
+      for (int s = 0; s < Tr::kStages; ++s) for (int r = 0; r < SM; ++r) for (int d = 0; d < HD; ++d)
+        if (Qs(r, d, sub, 0, s) != Q(sub * SM + r, d, s)) ++bad;
+      for (int s = 0; s < Tr::kStagesdS; ++s) for (int n = 0; n < BN; ++n) for (int q = 0; q < SM; ++q)
+        if (dSts(n, q, 0, sub, s) != dSt(n, sub * SM + q, s)) ++bad;
+    }
   }
   printf("hd %d: %d bad\n", HD, bad);
   return bad;

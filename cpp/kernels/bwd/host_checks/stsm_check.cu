@@ -1,5 +1,7 @@
 // Host check (no GPU): the stmatrix tiled copy that writes dS^T covers the (keys, queries) tile
-// exactly once in runs of 8 contiguous queries (what stmatrix rows need in the MN-major dS).
+// exactly once in runs of 8 contiguous queries (what stmatrix rows need in the MN-major dS); with
+// sub-steps (hd64 at 128 rows) the sub-step destinations (flat_divide view, as in bwd_main.cuh)
+// tile the step's whole (keys, kBlockM) tile exactly once.
 // Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
 //   -I cpp/include -I cpp/kernels -I <cutlass include> stsm_check.cu -o /tmp/check && /tmp/check
 #include <cstdio>
@@ -9,23 +11,31 @@ using namespace cute;
 template <int HD>
 int check() {
   using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
-  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
+  constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, SM = Tr::kBlockMSdP;
   typename Tr::MmaSdP mma_sdp;
   auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, cutlass::bfloat16_t>{}, mma_sdp);
   int bad = 0;
-  static int seen[128 * 64];
+  static int seen[128 * 128];
   for (int x = 0; x < BN * BM; ++x) seen[x] = 0;
   for (int ct = 0; ct < 256; ++ct) {
     auto thr = ds_copy.get_thread_slice(ct);
-    auto cS = mma_sdp.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
+    auto cS = mma_sdp.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BN>, Int<SM>>{}));
     auto src = thr.retile_S(cS);  // the accumulator's elements in copy order
-    auto dst = thr.partition_D(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}));
-    if (size(src) != size(dst)) { printf("size mismatch %d %d\n", int(size(src)), int(size(dst))); return 1; }
-    // Each group of 8 destination values: one key row, 8 consecutive queries starting at 8k.
-    for (int i = 0; i < size(dst); i += 8)
-      for (int e = 1; e < 8; ++e)
-        if (get<0>(dst(i + e)) != get<0>(dst(i)) || get<1>(dst(i + e)) != get<1>(dst(i)) + e || get<1>(dst(i)) % 8) ++bad;
-    for (int i = 0; i < size(dst); ++i) seen[get<0>(dst(i)) * BM + get<1>(dst(i))]++;
+    auto dst_all = thr.partition_D(flat_divide(make_identity_tensor(Shape<Int<BN>, Int<BM>>{}),
+                                               Shape<Int<BN>, Int<SM>>{}));  // (CPY, M, N, 1, sub)
+    for (int sub = 0; sub < BM / SM; ++sub) {
+      auto dst = dst_all(_, _, _, 0, sub);
+      if (size(src) != size(dst)) { printf("size mismatch %d %d\n", int(size(src)), int(size(dst))); return 1; }
+      // Each group of 8 destination values: one key row, 8 consecutive queries starting at 8k.
+      for (int i = 0; i < size(dst); i += 8)
+        for (int e = 1; e < 8; ++e)
+          if (get<0>(dst(i + e)) != get<0>(dst(i)) || get<1>(dst(i + e)) != get<1>(dst(i)) + e || get<1>(dst(i)) % 8) ++bad;
+      // Sub-step sub writes only its own SM columns (together: every element once, below).
+      for (int i = 0; i < size(dst); ++i) {
+        if (get<1>(dst(i)) / SM != sub) ++bad;
+        seen[get<0>(dst(i)) * BM + get<1>(dst(i))]++;
+      }
+    }
   }
   for (int x = 0; x < BN * BM; ++x) if (seen[x] != 1) ++bad;
   printf("hd %d stsm: %d bad\n", HD, bad);

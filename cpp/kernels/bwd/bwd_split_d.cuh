@@ -1,0 +1,316 @@
+// The split-D backward main kernel (head dim 256; traits and GEMM list in bwd_split_d_traits.cuh).
+// One CTA per (64 keys, kv head, batch), warp specialised like bwd_main_kernel:
+//   warpgroup 0, warp 0: producer (TMA: K, V once; Q, dO, LSE, D per step into a 2-stage ring).
+//   warpgroups 1, 2: consumers. Per step (query block of 64 rows, one query head of the group):
+//     S, dP for 32 keys each -> P, dS into shared memory -> sync -> each warpgroup accumulates
+//     dV^T and dK^T for its 128 head-dim rows over all 64 keys, and adds its columns of
+//     dQ = dS K to the fp32 accumulator with float4 atomics.
+// Shared with bwd_main.cuh: MainParams, query_block_range, the named-barrier ids, the
+// deterministic turn protocol (identical to the atomic dQ path there) and the dQ accumulator
+// layout (so preprocess/postprocess are the same kernels).
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "bwd/bwd_main.cuh"
+#include "bwd/bwd_split_d_traits.cuh"
+#include "common/mask.cuh"
+#include "common/utils.cuh"
+
+namespace fa3 {
+namespace bwd {
+
+// Producer warp (one elected thread issues everything). Kept separate from bwd_main_kernel's
+// producer (which also walks column passes) so that main's tested kernel is unchanged.
+template <class Tr>
+CUTE_DEVICE void split_d_producer(MainParams<Tr> const& p, typename Tr::SharedStorage& ss,
+                                  int m_begin, int m_end) {
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads_q / p.heads_kv;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  auto tma_k = p.tma_k.get_slice(_0{});
+  auto tma_v = p.tma_v.get_slice(_0{});
+  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kBytesK);
+  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+  auto tma_q = p.tma_q.get_slice(_0{});
+  auto tma_do = p.tma_do.get_slice(_0{});
+  Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, TMA_M, TMA_K, stage)
+  Tensor tdOsdO = tma_do.partition_D(sdO);
+  int stage = 0;
+  uint32_t phase = 0;
+  #pragma unroll 1
+  for (int hi = 0; hi < group; ++hi) {
+    const int h = hk * group + hi;
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
+    Tensor tdOgdO = tma_do.partition_S(gdO);
+    const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
+    const float* lse = p.lse_log2 + row0;
+    const float* dpsum = p.dpsum + row0;
+    #pragma unroll 1
+    for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
+      ClusterBar::wait(&ss.empty[stage], phase ^ 1);
+      TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
+      copy(p.tma_q.with(ss.full[stage]), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+      copy(p.tma_do.with(ss.full[stage]), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
+      SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
+      SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
+      if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
+    }
+  }
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNumThreads, 1)
+    bwd_split_d_kernel(const __grid_constant__ MainParams<Tr> p) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kStages = Tr::kStages, kStagesPdS = Tr::kStagesPdS;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using Storage = typename Tr::SharedStorage;
+
+  extern __shared__ char smem_raw[];
+  auto storage = [&]() -> Storage& {
+    return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  };
+  if (threadIdx.x == 0) {
+    Storage& ss = storage();
+    TxBar::init(&ss.kv_full, 1);
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < kStages; ++s) {
+      TxBar::init(&ss.full[s], 1);
+      ClusterBar::init(&ss.empty[s], Tr::kNumMmaWG * 4);  // one arrive per consumer warp
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {
+    // ------------------------------------------------------------------ producer warpgroup
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+      int m_begin, m_end;
+      query_block_range(band, blockIdx.x, kBlockN, kBlockM, m_begin, m_end);
+      if (m_end > m_begin) split_d_producer<Tr>(p, storage(), m_begin, m_end);
+    }
+    return;
+  }
+
+  // -------------------------------------------------------------------- consumers
+  cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
+  Storage& ss = storage();
+  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads_q / p.heads_kv;
+  BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  int m_begin, m_end;
+  query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+  const int ct = threadIdx.x - 128;  // 0..255
+  const int t_in_wg = ct % 128;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdS{});
+  Tensor sPt = make_tensor(make_smem_ptr(ss.p.data()), typename Tr::SmemLayoutPdSt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutPdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename Tr::SmemLayoutPdSt{});
+
+  typename Tr::MmaSdP mma_sdp;
+  typename Tr::MmadKV mma_dkv;
+  typename Tr::MmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(ct);
+  auto thr_dkv = mma_dkv.get_thread_slice(ct);
+  auto thr_dq = mma_dq.get_thread_slice(ct);
+
+  // Operand descriptors. (MMA, M|N, K, stage|buffer)
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  Tensor tdVrdO = thr_dkv.partition_fragment_A(sdOt);
+  Tensor tdVrP = thr_dkv.partition_fragment_B(sPt);
+  Tensor tdKrQ = thr_dkv.partition_fragment_A(sQt);
+  Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+
+  // (query, key) of this thread's S/dP accumulator elements; (d, key) of its dK^T/dV^T ones.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor tdKVc = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));
+
+  // P and dS: accumulator fragments -> (queries, keys) tiles with stmatrix.
+  auto pds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+  auto thr_pds_copy = pds_copy.get_thread_slice(ct);
+  Tensor tPsP = thr_pds_copy.partition_D(as_position_independent_swizzle_tensor(sP));     // (CPY, M, N, buf)
+  Tensor tdSsdS = thr_pds_copy.partition_D(as_position_independent_swizzle_tensor(sdS));
+
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kHeadDim>, Int<kBlockN>>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kHeadDim>, Int<kBlockN>>{});
+  clear(tdKrdK);
+  clear(tdVrdV);
+
+  const int n0 = n_block * kBlockN;
+  const bool n_partial = n0 + kBlockN > p.seqlen_k;
+  // The accumulator rows of a thread: element i sits on row get<0>(tScS(2 * ((i / 2) % 2)))
+  // (value mode (column pair, row +8, column group)); host_checks/split_d_check.cu checks it.
+  const int row_lo = get<0>(tScS(0)), row_hi = get<0>(tScS(2));
+
+  if (m_end > m_begin) TxBar::wait(&ss.kv_full, 0);
+
+  int it = 0;  // step counter: Q/dO stage and phase, P/dS buffer
+  for (int hi = 0; hi < group; ++hi) {
+    const int h = hk * group + hi;
+    for (int m = m_begin; m < m_end; ++m, ++it) {
+      const int m0 = m * kBlockM;
+      const bool need_mask =
+          n_partial || !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN);
+      const int stage = it % kStages;
+      const int buf = it % kStagesPdS;
+      TxBar::wait(&ss.full[stage], (it / kStages) & 1);
+
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      wgmma_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
+      wgmma_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, tdPrdP);
+      const float* lse = ss.lse.data() + stage * kBlockM;
+      const float* dpsum = ss.dpsum.data() + stage * kBlockM;
+      const float lse_r[2] = {lse[row_lo], lse[row_hi]};
+      const float dpsum_r[2] = {dpsum[row_lo], dpsum[row_hi]};
+      auto masked = [&](int i) {
+        const int qi = m0 + get<0>(tScS(i)), j = n0 + get<1>(tScS(i));
+        const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+        return j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right;
+      };
+      if constexpr (!Tr::kSoftcap) {
+        // P while dP is still on the tensor cores; the mask is its own pass (boundary blocks).
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - lse_r[(i / 2) % 2]);
+        if (need_mask) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(tSrS); ++i)
+            if (masked(i)) tSrS(i) = 0.f;
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdPrdP);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum_r[(i / 2) % 2]);
+      } else {
+        // Softcap: tanh' must meet dP, so P and dS in one pass after both GEMMs.
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        warpgroup_fence_operand(tdPrdP);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const float s = tanhf(tSrS(i) * p.pre_tanh);
+          float pv = exp2f(s * p.scale_log2 - lse_r[(i / 2) % 2]);
+          if (need_mask && masked(i)) pv = 0.f;
+          tSrS(i) = pv;
+          tdPrdP(i) = pv * (1.f - s * s) * (tdPrdP(i) - dpsum_r[(i / 2) % 2]);
+        }
+      }
+      {
+        Tensor rP = make_tensor<Element>(tSrS.layout());
+        convert_fragment(tSrS, rP);
+        Tensor rdS = make_tensor<Element>(tdPrdP.layout());
+        convert_fragment(tdPrdP, rdS);
+        copy(pds_copy, thr_pds_copy.retile_S(rP), tPsP(_, _, _, buf));
+        copy(pds_copy, thr_pds_copy.retile_S(rdS), tdSsdS(_, _, _, buf));
+      }
+      cutlass::arch::fence_view_async_shared();  // generic smem writes -> WGMMA operand reads
+      // Both warpgroups' keys are in P/dS. The buffer written next step is the other one; the one
+      // after that is this one again, which both warpgroups have finished reading (wait<0> at
+      // the end of this step) before either passes the next step's sync.
+      cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
+
+      // dQ chunk 0 first, so its atomics run while dV^T and dK^T are on the tensor cores.
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{});
+      {
+        Tensor tdQrK = thr_dq.partition_fragment_B(
+            local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(0, _0{})));
+        wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+      }
+      wgmma_gemm<false, -1>(mma_dkv, tdVrdO(_, _, _, stage), tdVrP(_, _, _, buf), tdVrdV);
+      wgmma_gemm<false, -1>(mma_dkv, tdKrQ(_, _, _, stage), tdKrdS(_, _, _, buf), tdKrdK);
+
+      const int64_t acc_base = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
+      int* sem = p.dq_sem + (int64_t(b) * p.heads_q + h) * p.m_blocks + m;
+      float4* acc = reinterpret_cast<float4*>(p.dq_accum + acc_base + int64_t(ct / 128) * Tr::kDQWgFloats);
+      warpgroup_wait<2>();  // dQ chunk 0 done; dV^T, dK^T may still run
+      warpgroup_fence_operand(tdQrdQ);
+      if (p.deterministic) {
+        // Same turn protocol as bwd_main_kernel's atomic path (key blocks of kBlockN = 64 here).
+        int nb, ne;
+        band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
+        if (ct == 0) {
+          while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
+        }
+        cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < Tr::kDQFrag / 4; ++j)
+        atomicAdd(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+      {
+        Tensor tdQrK = thr_dq.partition_fragment_B(
+            local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(1, _0{})));
+        wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdQrdQ);
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      // Q, dO, LSE, D of this stage are no longer read: one arrive per consumer warp.
+      __syncwarp();
+      if (cute::elect_one_sync()) ClusterBar::arrive(&ss.empty[stage]);
+      acc += (kBlockM * Tr::kHdChunk) / 4;  // chunk 1
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < Tr::kDQFrag / 4; ++j)
+        atomicAdd(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+      if (p.deterministic) {
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);
+        if (ct == 0) red_release_add(sem, 1);
+      }
+    }
+  }
+
+  // Epilogue: dK (scaled) and dV, transposed back from (d, key) fragments, in the input dtype.
+  // Plain 2-byte stores (adjacent registers are adjacent keys, not adjacent columns); once per CTA.
+  const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
+  Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
+  Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) {
+    const int d = get<0>(tdKVc(i)), key = n0 + get<1>(tdKVc(i));
+    if (key < p.seqlen_k) {
+      const int64_t off = int64_t(key) * kv_stride_row + d;
+      dk[off] = Element(tdKrdK(i) * p.softmax_scale);
+      dv[off] = Element(tdVrdV(i));
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace fa3

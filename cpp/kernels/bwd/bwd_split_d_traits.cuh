@@ -1,0 +1,150 @@
+// Backward configuration of the "split-D" kernel variant (bwd_split_d.cuh), head dim 256.
+//
+// Why a second variant: the default kernel (bwd_traits.cuh) gives each consumer warpgroup 64 of
+// the CTA's 128 keys and keeps dK and dV of those keys over ALL head-dim columns in registers.
+// At d = 256 that is 256 fp32 registers per thread, so it runs two column passes over the query
+// blocks and recomputes S^T and dP^T in the second (7 GEMM units instead of 5, and it spills).
+// Here the CTA owns only kBlockN = 64 keys and the two warpgroups split the HEAD DIM of dK/dV:
+// each holds dK^T and dV^T for 128 of the 256 columns x 64 keys (2 x 64 registers). S and dP
+// are computed once per step, split by keys (32 per warpgroup), and exchanged through shared
+// memory as P and dS, so one pass over the query blocks suffices (5 GEMM units per step):
+//   S    = Q K^T           (64 queries x 32 keys per WG, SS)       rows = queries
+//   dP   = dO V^T          (same tiling)
+//   P    = exp2(S * scale_log2 - lse_log2), dS = P o (dP - D)      (o tanh' with softcap)
+//   P, dS -> shared memory (bf16/fp16, keys contiguous), both warpgroups sync
+//   dV^T += dO^T P         (256 x 64 keys, K = queries; WG w owns 128 of the head-dim rows, SS)
+//   dK^T += Q^T dS         (same)
+//   dQ    = dS K           (64 x 256 in two column chunks, WGs split each chunk's columns, SS;
+//                           added to the fp32 accumulator with float4 atomics, as hd256 does
+//                           on main: the 64 KB smem dQ tile does not fit next to 2 Q/dO stages)
+// dK^T/dV^T are "swapAB" GEMMs: the head dim is the M side, the CTA's keys the N side.
+#pragma once
+
+#include "bwd/bwd_traits.cuh"
+
+// Build switch (FA3_BWD_DEFINES="FA3_BWD_HD256_SPLIT_D=1"): head dim 256 uses this variant.
+// Default off: main's tested hd256 kernel stays the default until a GPU run passes with it.
+#ifndef FA3_BWD_HD256_SPLIT_D
+#define FA3_BWD_HD256_SPLIT_D 0
+#endif
+
+namespace fa3 {
+namespace bwd {
+
+template <typename Element_, int kHeadDim_, bool kSoftcap_>
+struct SplitDTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr int kBlockM = 64;     // query rows per step
+  static constexpr int kBlockN = 64;     // keys per CTA (registers: 2 x kBlockN for dK^T + dV^T)
+  static constexpr int kNumMmaWG = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWG * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;  // + producer warpgroup
+  static constexpr int kStages = 2;    // Q/dO/LSE/D ring: the next step's 64 KB load overlaps
+  static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
+                                       // warpgroup may still read this step's (no extra barrier)
+  static constexpr int kHdWg = kHeadDim / kNumMmaWG;  // dK^T/dV^T rows per warpgroup
+  // dQ in two column chunks of 128, each split 64/64 between the warpgroups: the same tiling and
+  // fragment order as BwdTile<256>, so the accumulator layout and bwd_postprocess are shared.
+  static constexpr int kDQChunks = 2;
+  static constexpr int kHdChunk = kHeadDim / kDQChunks;
+  static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
+  static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
+  static constexpr bool kDQSmem = false;
+  // See BwdTraits: 384 x 168 = 128 x 24 + 256 x 240.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kMmaRegs = 240;
+  static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
+  static_assert(kHeadDim == 256, "split-D is written for head dim 256 (192 would need 96-row WG halves)");
+  static_assert(kDQFrag % 4 == 0);
+
+  // ---- shared-memory layouts (physical: row-major tiles, last mode contiguous)
+  // Q, dO (queries, d): A operand of S / dP (K-major), and through the transposed view (d,
+  // queries) the MN-major A operand of dK^T / dV^T. 128-byte swizzle: 64-column atoms, so each
+  // warpgroup's 128 head-dim rows and each dQ column slice start on an atom boundary.
+  using AtomQ = decltype(kmajor_atom<Element, kHeadDim>());
+  using SmemLayoutQ1 = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  // K (keys, d): B operand of S (K-major); through the transposed view (d, keys) the MN-major
+  // B operand of dQ, sliced per chunk and warpgroup (64 columns = one swizzle atom).
+  using SmemLayoutK = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // V (keys, d): B operand of dP only.
+  using SmemLayoutV = SmemLayoutK;
+  // P, dS (queries, keys), keys contiguous: written from the S/dP accumulators with stmatrix;
+  // dS is the K-major A operand of dQ, and the transposed views (keys, queries) are the
+  // MN-major B operands of dV^T / dK^T.
+  using AtomPdS = decltype(kmajor_atom<Element, kBlockN>());
+  using SmemLayoutPdS = decltype(tile_to_shape(AtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesPdS>>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesPdS>>{},
+                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+
+  // ---- WGMMA tilings (2 consumer warpgroups)
+  // S, dP: (queries 64, keys 64, d 256); warpgroup w takes keys [32w, 32w + 32).
+  using MmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / kNumMmaWG>, Int<kHeadDim>>>(),
+      Layout<Shape<_1, Int<kNumMmaWG>, _1>>{}));
+  // dV^T, dK^T: (d 256, keys 64, queries 64); warpgroup w takes the 64-row M tiles w, w + 2
+  // (head-dim rows [64w, 64w + 64) and [128 + 64w, 192 + 64w)): 2 x 32 accumulators each.
+  using MmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kNumMmaWG>, _1, _1>>{}));
+  // dQ chunk: (queries 64, 128 columns, keys 64); warpgroups split the columns.
+  using MmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHdChunk / kNumMmaWG>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMmaWG>, _1>>{}));
+
+  // ---- global tensors as TMA sees them: (seqlen, head_dim, heads, batch)
+  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutQ1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
+      SmemLayoutK{}));
+  using TmaV = TmaK;
+
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);
+  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+
+  // 32 (K) + 32 (V) + 2 x 64 (Q, dO stages) + 16 (P x2) + 16 (dS x2) = 224 KB + statistics.
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> p;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
+    cute::array_aligned<float, kStages * kBlockM, 16> lse;    // log2-domain LSE per stage
+    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per stage
+    uint64_t kv_full;
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment
+  static_assert(kSmemBytes <= 232448, "split-D backward tile exceeds 227 KB of shared memory");
+};
+
+template <class Tr> struct IsSplitD : std::false_type {};
+template <typename E, int D, bool S> struct IsSplitD<SplitDTraits<E, D, S>> : std::true_type {};
+
+// The traits a (element, head dim, softcap) backward is built with: split-D for hd256 when the
+// switch is on, the default tile table otherwise.
+template <typename Element, int kHeadDim, bool kSoftcap>
+using BwdTraitsFor = std::conditional_t<FA3_BWD_HD256_SPLIT_D && kHeadDim == 256,
+                                        SplitDTraits<Element, kHeadDim, kSoftcap>,
+                                        BwdTraits<Element, kHeadDim, kSoftcap>>;
+
+}  // namespace bwd
+}  // namespace fa3

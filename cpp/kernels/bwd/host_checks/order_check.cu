@@ -1,0 +1,114 @@
+// Host check (no GPU) of the FA3_BWD_LPT CTA order (bwd_order.cuh):
+//   1. decode is a bijection of [0, num_tiles) onto (key block, kv head, batch), for random
+//      shapes and every section width (also ones that do not divide the head count);
+//   2. section 1 is the default 3D-grid order (key block fastest);
+//   3. deterministic safety: for each (kv head, batch), lower key blocks have lower indices;
+//   4. longest first: with a causal band, the work (query blocks visited, query_block_range)
+//      never grows along the linear order inside a section;
+//   5. bwd_order_section: 1 without a band, else a power of two in [1, heads_kv * batch].
+// Then a model of the schedule (132 SMs take CTAs in linear order, a CTA costs a fixed start
+// plus its steps) for the benchmark shapes: default vs LPT makespan, the basis of the NOTES
+// prediction.
+// Build: nvcc -std=c++17 --expt-relaxed-constexpr -I cpp/include -I cpp/kernels -I <cutlass include>
+//   order_check.cu -o /tmp/order_check && /tmp/order_check
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <queue>
+#include <vector>
+#include <cutlass/numeric_types.h>
+#include "bwd/bwd_main.cuh"
+#include "fa3/params.h"
+using namespace fa3;
+using namespace fa3::bwd;
+
+static int steps_of(const BandMask& band, int n, int BN, int BM, int group) {
+  int mb, me;
+  query_block_range(band, n, BN, BM, mb, me);
+  return group * (me - mb);
+}
+
+// Makespan of greedy in-order list scheduling on `sms` SMs, one CTA per SM at a time.
+static double makespan(const std::vector<double>& cost, int sms) {
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free_at;
+  for (int i = 0; i < sms; ++i) free_at.push(0.0);
+  double end = 0;
+  for (double c : cost) {
+    double t = free_at.top();
+    free_at.pop();
+    free_at.push(t + c);
+    end = std::max(end, t + c);
+  }
+  return end;
+}
+
+int main() {
+  srand(3);
+  int bad = 0, cases = 0;
+  for (int it = 0; it < 3000; ++it) {
+    BwdTileOrder o{1 + rand() % 40, 1 + rand() % 9, 1 + rand() % 7, 1};
+    const int total = o.heads_kv * o.batch;
+    o.section = 1 + rand() % (total + 2);  // also wider than the head count
+    if (it % 5 == 0) o.section = 1;
+    std::vector<int> seen(o.num_tiles(), 0), last(total, -1);
+    const int sq = 1 + rand() % 3000, sk = o.n_blocks * 128 - rand() % 128;
+    BandMask causal{sq, sk, kUnbounded, 0};
+    std::vector<int> prev_work(total + 1, 1 << 30);
+    for (int l = 0; l < o.num_tiles(); ++l) {
+      int n, hk, b;
+      o.decode(l, n, hk, b);
+      ++cases;
+      if (n < 0 || n >= o.n_blocks || hk < 0 || hk >= o.heads_kv || b < 0 || b >= o.batch) { ++bad; continue; }
+      const int id = (b * o.heads_kv + hk) * o.n_blocks + n;
+      seen[id]++;
+      if (o.section == 1 && l != id) ++bad;                       // 2
+      const int hb = b * o.heads_kv + hk;
+      if (n <= last[hb]) ++bad;                                   // 3
+      last[hb] = n;
+      const int sec = hb / o.section;
+      const int w = steps_of(causal, n, 128, 64, 1);
+      if (w > prev_work[sec]) ++bad;                              // 4
+      prev_work[sec] = w;
+    }
+    for (int v : seen) if (v != 1) ++bad;                         // 1
+  }
+  int sbad = 0;
+  for (int it = 0; it < 2000; ++it) {
+    int sq = 1 + rand() % 20000, sk = 1 + rand() % 20000, hkv = 1 + rand() % 16, g = 1 + rand() % 8;
+    int batch = 1 + rand() % 64, d = 64 * (1 + rand() % 4);
+    int wl = rand() % 3 ? kUnbounded : rand() % 500, wr = rand() % 2 ? kUnbounded : 0;
+    int s = bwd_order_section(sq, sk, hkv * g, hkv, batch, d, 2, wl, wr);
+    bool banded = wl != kUnbounded || wr != kUnbounded;
+    if (s < 1 || s > hkv * batch || (s != hkv * batch && (s & (s - 1))) || (!banded && s != 1)) ++sbad;  // clamped to all heads, else a power of two
+  }
+  printf("order: %d tiles checked, %d bad; section widths: %d bad\n", cases, bad, sbad);
+
+  // Schedule model: a CTA costs `start` + its steps (one step = one query block of 64 rows).
+  // start ~ 3 steps: K/V load, first Q/dO, dK/dV epilogue (a guess; see NOTES).
+  printf("model (132 SMs, causal, makespan in steps; LPT / default):\n");
+  const double start = 3.0;
+  for (int hd : {64, 128}) {
+    for (int seq : {512, 1024, 2048, 4096, 8192, 16384}) {
+      const int batch = 16384 / seq, heads = 2048 / hd;
+      const int nb = (seq + 127) / 128;
+      BandMask causal{seq, seq, kUnbounded, 0};
+      const int sec = bwd_order_section(seq, seq, heads, heads, batch, hd, 2, kUnbounded, 0);
+      BwdTileOrder def{nb, heads, batch, 1}, lpt{nb, heads, batch, sec};
+      std::vector<double> c_def, c_lpt;
+      double work = 0;
+      for (int l = 0; l < def.num_tiles(); ++l) {
+        int n, hk, b;
+        def.decode(l, n, hk, b);
+        c_def.push_back(start + steps_of(causal, n, 128, 64, 1));
+        work += c_def.back();
+        lpt.decode(l, n, hk, b);
+        c_lpt.push_back(start + steps_of(causal, n, 128, 64, 1));
+      }
+      const double md = makespan(c_def, 132), ml = makespan(c_lpt, 132), ideal = work / 132;
+      printf("  hd%-3d %5d: section %3d  default %7.1f (%.3f of ideal)  lpt %7.1f (%.3f)  speedup %.3f\n",
+             hd, seq, sec, md, ideal / md, ml, ideal / ml, md / ml);
+    }
+  }
+  return bad || sbad;
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The GPU suite for several kernel build variants in one device call: build each variant (one
+# after another, each into /tmp/variant_NAME as scripts/ab_variants.sh does, so its benchmark can
+# reuse the build with AB_REUSE=1), then test them side by side, variant i on the i-th GPU in
+# SUITE_GPUS (default "0 1 ..."), TEST_SHARDS processes each.
+#   scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
+#   e.g. AB_DIRECTION=bwd PYTEST_ARGS_lpt="-m gpu tests/test_bwd_gpu.py" \
+#        scripts/suite_variants.sh $OUT base= lpt="FA3_BWD_LPT=1"
+# DEFINES go to FA3_FWD_DEFINES or, with AB_DIRECTION=bwd, FA3_BWD_DEFINES; PYTEST_ARGS_NAME
+# narrows one variant's tests (default PYTEST_ARGS, else "-m gpu tests"). OUT_DIR/NAME gets that
+# variant's build.log, info.txt and pytest_gpu.log; the exit status is 0 only if every build and
+# every suite passed.
+set -uo pipefail
+OUT=${1:?usage: scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
+shift
+[ $# -ge 1 ] || { echo "suite_variants: name at least one variant (NAME=DEFINES)" >&2; exit 2; }
+cd "$(dirname "$0")/.."
+var=FA3_${AB_DIRECTION:-fwd}_DEFINES
+var=${var^^}
+read -r -a gpus <<<"${SUITE_GPUS:-$(seq -s ' ' 0 $(($# - 1)))}"
+status=0
+
+for spec in "$@"; do  # builds one after another: each takes every core
+  name=${spec%%=*}
+  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "suite_variants: bad variant name '$name'"; exit 2; }
+  echo "== build $name: $var='${spec#*=}'"
+  env "$var=${spec#*=}" INSTALL_TARGET="/tmp/variant_$name" SKIP_TESTS=1 SKIP_BENCH=1 \
+    scripts/gpu_cycle.sh "$OUT/$name" >"$OUT/$name.build.txt" 2>&1
+  rc=$?
+  echo $rc >"/tmp/ab_$name.rc"  # what ab_variants.sh AB_REUSE=1 reads
+  grep -E "built in|LDL/STL=[1-9]" "$OUT/$name.build.txt"
+  [ $rc -eq 0 ] || { echo "build $name failed"; tail -20 "$OUT/$name.build.txt"; status=1; }
+done
+[ $status -eq 0 ] || exit $status
+
+i=0
+for spec in "$@"; do  # suites side by side; the wheels are already in /tmp/site
+  name=${spec%%=*}
+  args_var=PYTEST_ARGS_$name
+  WHEELS=/nonexistent PYTHONPATH=/tmp/site INSTALL_TARGET="/tmp/variant_$name" SKIP_BUILD=1 SKIP_BENCH=1 \
+    TEST_GPUS=${gpus[i % ${#gpus[@]}]} PYTEST_ARGS="${!args_var:-${PYTEST_ARGS:--m gpu tests}}" \
+    scripts/gpu_cycle.sh "$OUT/$name" >"$OUT/$name.suite.txt" 2>&1 &
+  i=$((i + 1))
+done
+for spec in "$@"; do wait -n || status=1; done
+for spec in "$@"; do echo "== suite ${spec%%=*}"; cat "$OUT/${spec%%=*}.suite.txt"; done
+exit $status
