@@ -14,6 +14,7 @@ set -uo pipefail
 OUT=${1:?usage: scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
 shift
 [ $# -ge 1 ] || { echo "suite_variants: name at least one variant (NAME=DEFINES)" >&2; exit 2; }
+mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 var=FA3_${AB_DIRECTION:-fwd}_DEFINES
 var=${var^^}
