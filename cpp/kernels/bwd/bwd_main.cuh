@@ -122,9 +122,9 @@ CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.gl
 
 // L2 policy of the Q/dO tile loads. Every key block of the head reads them again (the CTAs of a
 // head, or with FA3_BWD_LPT of a section of heads, run at about the same time), while K/V are
-// read once per CTA: -DFA3_BWD_QDO_EVICT_LAST=1 asks L2 to keep Q/dO (as FA3 does).
+// read once per CTA: so L2 is asked to keep Q/dO (as FA3 does; -DFA3_BWD_QDO_EVICT_LAST=0: no hint).
 #ifndef FA3_BWD_QDO_EVICT_LAST
-#define FA3_BWD_QDO_EVICT_LAST 0
+#define FA3_BWD_QDO_EVICT_LAST 1
 #endif
 CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() {
   return FA3_BWD_QDO_EVICT_LAST ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;

@@ -1,4 +1,4 @@
-// Order of the backward main kernel's CTAs (build switch FA3_BWD_LPT=1; default: the 3D grid
+// Order of the backward main kernel's CTAs (on by default; FA3_BWD_LPT=0 gives back the 3D grid
 // (key block, kv head, batch) with the key block fastest).
 //
 // With a causal or local band the work of a CTA depends on its key block: for causal, key block
@@ -12,7 +12,7 @@
 // (a greedy longest-processing-time schedule once the hardware hands CTAs to free SMs in order).
 // The section bounds how many heads' Q, dO and dQ accumulators are hot in L2 at once.
 //
-// `section` = 1 is exactly the default order (linear = n + n_blocks * (hk + heads_kv * b)).
+// `section` = 1 is exactly the 3D grid's order (linear = n + n_blocks * (hk + heads_kv * b)).
 // Deterministic dQ needs, for each (kv head, batch), lower key blocks at lower linear indices
 // (a CTA only waits for those): true in every section (n is the slow index inside it).
 #pragma once
@@ -22,7 +22,7 @@
 #include "common/utils.cuh"
 
 #ifndef FA3_BWD_LPT
-#define FA3_BWD_LPT 0
+#define FA3_BWD_LPT 1
 #endif
 
 namespace fa3 {
@@ -51,7 +51,7 @@ struct BwdTileOrder {
   }
 };
 
-// Host: the section width. Without a band (every CTA the same work) 1, the default order.
+// Host: the section width. Without a band (every CTA the same work) 1, the 3D grid's order.
 // With one, as many (kv head, batch) pairs as keep their Q, dO (input dtype) and fp32 dQ
 // accumulator within ~40 MB of the H200's L2 (FA3 budgets the same), rounded down to a power
 // of two, at least 1.

@@ -47,8 +47,9 @@ template <int kHeadDim> struct BwdTile;
 // kOverlap: intra-warpgroup overlap. P = exp2(..) is computed while the dP^T GEMM runs, and the
 // dK GEMM of one step stays in flight across the dQ hand-off and the next step's S^T/dP^T issue
 // (its Q stage is released one step later). Costs 16-32 registers (dS^T of the step in flight).
-// 64: 64 query rows per step by default (spill-free with both overlaps). 128 rows
-//     (-DFA3_BWD_HD64_BLOCK_M=128, FA3's step length) halves the per-step fixed costs (stage
+// 128 query rows per step by default (FA3's step length; -DFA3_BWD_HD64_BLOCK_M=64 gives the
+//     earlier 64-row step, spill-free with both overlaps, 5-9% slower at 2k-8k on the H200).
+//     128 rows halve the per-step fixed costs (stage
 //     wait/release, dS barrier, dQ GEMM wait and hand-off, the writer's bulk reduce). S^T + dP^T
 //     over 128 columns would take 128 registers (spills 16/56 B without overlap, 200+ B with), so
 //     the step runs S^T .. dK as two 64-column sub-steps (kBlockMSdP = 64): each has the 64-row
@@ -72,7 +73,8 @@ template <int kHeadDim> struct BwdTile;
 #define FA3_BWD_HD256_OVERLAP 0
 #endif
 #ifndef FA3_BWD_HD64_BLOCK_M
-#define FA3_BWD_HD64_BLOCK_M 64  // 128: two 64-column sub-steps per step (see the comment above)
+#define FA3_BWD_HD64_BLOCK_M 128  // two 64-column sub-steps per step (see the comment above); 64: one
+                                 // 64-row step (measured slower on the H200, bwd NOTES.md)
 #endif
 // Q/dO/LSE/D ring depth. With the dK overlap a stage is released one step late, so with 2
 // stages the TMA for step i+2 starts only once step i+1 is under way; short steps (small head
