@@ -22,7 +22,7 @@
 
 #include "bwd/bwd_traits.cuh"
 
-// Build switch, on by default: head dim 256 uses this variant (1.12-1.18x the column-pass kernel
+// Build switch, on by default: head dim 256 uses this variant (1.11-1.18x the column-pass kernel
 // at 2k-8k on the H200); FA3_BWD_DEFINES="FA3_BWD_HD256_SPLIT_D=0" gives back the column passes.
 #ifndef FA3_BWD_HD256_SPLIT_D
 #define FA3_BWD_HD256_SPLIT_D 1

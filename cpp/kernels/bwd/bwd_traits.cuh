@@ -48,7 +48,7 @@ template <int kHeadDim> struct BwdTile;
 // dK GEMM of one step stays in flight across the dQ hand-off and the next step's S^T/dP^T issue
 // (its Q stage is released one step later). Costs 16-32 registers (dS^T of the step in flight).
 // 128 query rows per step by default (FA3's step length; -DFA3_BWD_HD64_BLOCK_M=64 gives the
-//     earlier 64-row step, spill-free with both overlaps, 5-9% slower at 2k-8k on the H200).
+//     earlier 64-row step, spill-free with both overlaps, 6-9% slower at 2k-8k on the H200).
 //     128 rows halve the per-step fixed costs (stage
 //     wait/release, dS barrier, dQ GEMM wait and hand-off, the writer's bulk reduce). S^T + dP^T
 //     over 128 columns would take 128 registers (spills 16/56 B without overlap, 200+ B with), so
