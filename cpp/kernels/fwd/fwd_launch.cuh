@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 #include "fa3/launch.h"
@@ -33,23 +34,27 @@ struct FwdTileTable;
 // one's softmax (at d = 64 the softmax is half of a block's work). 4 stages (24 + 4 x 2 x 16 =
 // 152 KB; one CTA per SM anyway): the persistent producer runs up to 4 blocks ahead, i.e. into
 // the next tile, which hides the tile switch at short key lengths (4 blocks at 512).
-// Banded problems: 128 x 128 (96 KB; square tiles also waste the least on a causal diagonal),
-// or 192 x 128 with the build switch below, spill-free (R153) since the band mask compares
-// against per-row bounds relative to the thread's first column (56-76 bytes spilled before);
-// not yet measured on the GPU. If the 192-row tile fails on the GPU, set `full` = `banded`.
-#ifndef FA3_FWD_HD64_BANDED_M
-#define FA3_FWD_HD64_BANDED_M 128
+// Banded problems: 128 x 128 (96 KB; square tiles also waste the least on a causal diagonal and
+// a short band); long bands (at least FA3_FWD_HD64_LONG_BAND query rows and keys per row, 4096
+// by default) take the 192 x 128 tile with 4 stages, spill-free (R153) since the band mask
+// compares against per-row bounds relative to the thread's first column. H200 A/B under the
+// dynamic schedule (benchmarks/results/2026-11-30-NVIDIA-H200-session4-ab.md): 192 rows gave
+// causal 8k +10% but 512-2k -35..-3%. FA3_FWD_HD64_LONG_BAND=0: the wide tile for every band
+// with keys; a huge value: never.
+#ifndef FA3_FWD_HD64_LONG_BAND
+#define FA3_FWD_HD64_LONG_BAND 4096
 #endif
 // Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
-// moves every k-th exponential to the FMA pipe (exp2_fma; 8 is the predicted best, <= 3%).
+// moves every k-th exponential to the FMA pipe (measured -6..+1% at k = 8: off).
 #ifndef FA3_FWD_HD64_EXP2_EMU
 #define FA3_FWD_HD64_EXP2_EMU 0
 #endif
 template <typename E>
 struct FwdTileTable<E, 64> {
   using full = FwdTraits<E, 64, 192, 128, 4, true, false, FA3_FWD_HD64_EXP2_EMU>;
-  using banded = FwdTraits<E, 64, FA3_FWD_HD64_BANDED_M, 128, FA3_FWD_HD64_BANDED_M == 192 ? 4 : 2,
-                           true, true>;
+  using banded = FwdTraits<E, 64, 128, 128, 2, true, true>;
+  using long_banded = FwdTraits<E, 64, 192, 128, 4, true, true>;
+  static constexpr int kLongBand = FA3_FWD_HD64_LONG_BAND;
 };
 // d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 3 stages (24 + 3 x 2 x 24 = 168 KB) so the
 // persistent producer runs into the next tile (see d = 64).
@@ -191,11 +196,34 @@ cudaError_t launch_fwd(const FwdParams& fp, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// A table's tile for long bands (`long_banded`, used from `kLongBand` query rows and keys per
+// row), where it has one; else its `banded` tile throughout.
+template <class Table, class = void>
+struct LongBandTile {
+  using type = typename Table::banded;
+  static constexpr int64_t kMin = INT64_MAX;
+};
+template <class Table>
+struct LongBandTile<Table, std::void_t<typename Table::long_banded>> {
+  using type = typename Table::long_banded;
+  static constexpr int64_t kMin = Table::kLongBand;
+};
+
+// The most keys a query row can see under the band (window_left + 1 + window_right, at most
+// seqlen_k; 0 or less: rows without keys).
+inline int64_t band_width(const FwdParams& fp) {
+  int64_t w = int64_t(fp.opts.window_left) + 1 + fp.opts.window_right;
+  return std::min<int64_t>(w, fp.shape.seqlen_k);
+}
+
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
   using Table = FwdTileTable<Element, kHeadDim>;
-  if (band_limits_work(fp)) return launch_fwd<typename Table::banded>(fp, stream);
-  return launch_fwd<typename Table::full>(fp, stream);
+  using Long = LongBandTile<Table>;
+  if (!band_limits_work(fp)) return launch_fwd<typename Table::full>(fp, stream);
+  if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
+    return launch_fwd<typename Long::type>(fp, stream);
+  return launch_fwd<typename Table::banded>(fp, stream);
 }
 
 }  // namespace fa3
