@@ -20,7 +20,7 @@ call, and figures that move with the host's load). A 2-call loop gives the time 
 chosen so one loop takes about --target-ms, and the N-call loop is compiled and warmed up.
 At each grid point all implementations are prepared first, then their loops take turns for
 --repeats rounds (A, B, C, A, B, C, ...), so clock or host drift hits each alike; the median
-time / N is reported.
+time / N is reported (every round's in the JSON as ms_rounds; the spread under the table).
 Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the pullback
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
 (never zeros); q, k, v together are 3 x 64 MB at the default size, above the 60 MB L2.
@@ -196,7 +196,8 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
             samples[i].append(sample_ms(run, n))
     for (rec, _, _), times in zip(ready, samples):
         ms = statistics.median(times)
-        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
+                   ms_rounds=[round(t, 4) for t in times])
         print(f"  {rec['impl']:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{point['batch']:2d} "
               f"h{point['heads']:2d} causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s",
               flush=True)
@@ -237,7 +238,23 @@ def markdown(records: list[dict], header: str) -> str:
         row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by
                 and not suspect & {"jax_fa3", p} else "-" for p in peers]
         lines.append("| " + " | ".join(row) + " |")
+    lines += ["", spread_note(records)]
     return "\n".join(lines) + "\n"
+
+
+def spread_note(records: list[dict]) -> str:
+    """How far the rounds of one implementation at one point were apart (slowest / fastest - 1):
+    the noise a ratio in the table has to beat."""
+    spreads = sorted(((max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1, r) for r in records
+                      if len(r.get("ms_rounds", ())) > 1 and min(r["ms_rounds"]) > 0),
+                     key=lambda pair: pair[0])
+    if not spreads:
+        return "Spread between rounds: not recorded."
+    median = statistics.median(s for s, _ in spreads)
+    worst, r = spreads[-1]
+    return (f"Spread between rounds (slowest / fastest - 1, per implementation and point): median "
+            f"{median:.1%}, largest {worst:.1%} ({r['impl']} {r['direction']} hd{r['head_dim']} "
+            f"s{r['seqlen']} causal={int(r['causal'])}).")
 
 
 def plot(records: list[dict], path: Path) -> None:

@@ -59,6 +59,18 @@ def test_wrong_and_nonfinite_results_are_flagged(point_inputs, direction):
     assert not recs["exact_again"].get("suspect") and recs["exact_again"]["rel_err_vs_exact"] < 1e-6
     for rec in recs.values():
         assert rec["ms"] > 0 and rec["tflops"] >= 0 and rec["direction"] == direction
+        assert len(rec["ms_rounds"]) == 2 and min(rec["ms_rounds"]) <= rec["ms"] <= max(rec["ms_rounds"])
+
+
+def test_markdown_reports_the_spread_between_rounds():
+    recs = [dict(impl="jax_fa3", direction="fwd", head_dim=128, seqlen=512, causal=True,
+                 tflops=100.0, ms=1.0, ms_rounds=[1.0, 1.1, 0.95]),
+            dict(impl="cudnn", direction="fwd", head_dim=128, seqlen=512, causal=True,
+                 tflops=50.0, ms=2.0, ms_rounds=[2.0, 2.02])]
+    table = bench_attention.markdown(recs, "# t")
+    assert "| fwd | 128 | yes | 512 | 100.0 | 50.0 | 2.00x |" in table
+    assert "largest 15.8% (jax_fa3 fwd hd128 s512 causal=1)" in table and "median 8.4%" in table
+    assert "not recorded" in bench_attention.markdown([dict(recs[0], ms_rounds=[1.0])], "# t")
 
 
 def test_unmasked_pairs_and_grid_shape():
