@@ -3,7 +3,7 @@
 # (scripts/gpu_cycle.sh with SKIP_TESTS=1 SKIP_BENCH=1):
 #   scripts/ncu_point.sh OUT_DIR --impl jax_fa3 --direction bwd --head-dim 256 --seqlen 8192 --causal 1
 # Profiles the last launch of each kernel matching $KERNELS (default: our forward and backward
-# main kernels) with the sections that say where the time goes: speed of light, compute
+# main kernels, the split-D hd256 one included) with the sections that say where the time goes: speed of light, compute
 # workload (tensor pipe), warp states (stall reasons), occupancy, memory. Clocks stay as they
 # are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
 set -uo pipefail
@@ -17,7 +17,7 @@ rep=()
 [ "${NCU_REP:-1}" = 1 ] && rep=(--export "$OUT/ncu_$tag" --force-overwrite)
 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
   ncu --clock-control none --target-processes all \
-    --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
+    --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
     "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
