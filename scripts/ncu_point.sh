@@ -5,8 +5,7 @@
 # Profiles the last launch of each kernel matching $KERNELS (default: our forward and backward
 # main kernels, the split-D hd256 one included) with the sections that say where the time
 # goes: speed of light, compute workload (tensor pipe), warp states (stall reasons), occupancy,
-# memory. Clocks stay as they
-# are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
+# memory. Clocks stay as they are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
 set -uo pipefail
 OUT=${1:?usage: scripts/ncu_point.sh OUT_DIR [profile_point.py arguments]}
 shift
