@@ -77,3 +77,26 @@ def test_unmasked_pairs_and_grid_shape():
     assert bench_attention.unmasked_pairs(4, causal=False) == 16
     assert bench_attention.unmasked_pairs(4, causal=True) == 10
     assert bench_attention.grid_shape(128, 8192, 16384, 2048) == (2, 8192, 16, 128)
+
+
+def test_ring_scaling_smoke(tmp_path):
+    """benchmarks/ring_scaling.py end to end on simulated CPU devices (portable path, tiny
+    sizes): the correctness checks pass and the report carries efficiency and speedup."""
+    import json
+    import os
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-P", str(root / "benchmarks" / "ring_scaling.py"), "--out", str(tmp_path),
+         "--smoke", "--gpus", "1,2", "--strategies", "ring", "--heads-kv", "1",
+         "--full-length-baseline"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (report_path,) = tmp_path.glob("*-ring-scaling.json")
+    report = json.loads(report_path.read_text())
+    assert report["pass"] and report["config"]["gpu_counts"] == [1, 2]
+    assert report["correctness"]["2"]["ring"]["grads_pass"]
+    ring = [r for r in report["timings"] if r["gpus"] == 2]
+    assert {r["direction"] for r in ring} == {"fwd", "bwd"}
+    assert all(r["efficiency"] > 0 and r["speedup_vs_one_gpu"] > 0 for r in ring)
+    assert report_path.with_suffix(".png").stat().st_size > 0

@@ -1,7 +1,7 @@
 """Two or more Hopper GPUs: the sharding rules and ring attention with the kernels.
 
 Marked `multigpu` (tests/conftest.py skips them, with the reason, without two GPUs and the
-built kernels). The long-sequence measurement is benchmarks/ring_2gpu.py; these are the quick
+built kernels). The long-sequence measurement is benchmarks/ring_scaling.py; these are the quick
 checks: the kernels under custom_partitioning and inside the ring (shifted, negative bands),
 against the float64 oracle by the error-ratio rule of DESIGN.md.
 """
