@@ -63,16 +63,23 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== pytest ${PYTEST_ARGS:--m gpu tests} ($shards shards)"
   read -r -a gpus <<<"${TEST_GPUS:-}"
   logs=$(mktemp -d)  # per run: two cycles may test side by side (scripts/suite_variants.sh)
+  collect_logs() {
+    for ((i = 0; i < shards; i++)); do echo "---- shard $i/$shards"; cat "$logs/shard_$i.log"; done >"$OUT/pytest_gpu.log"
+  }
+  # Stopped from outside (an enclosing `timeout`): keep what the shards logged so far. The
+  # shards' own `timeout --foreground` stays in this process group, so the same signal ends them.
+  trap 'collect_logs; echo "pytest: stopped by a signal; partial logs in pytest_gpu.log"; exit 143' TERM INT
   for ((i = 0; i < shards; i++)); do
     gpu_env=()
     [ ${#gpus[@]} -gt 0 ] && gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]})
     env "${gpu_env[@]}" FA3_TEST_SHARD=$i/$shards XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      timeout "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -q --no-header \
+      timeout --foreground "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -v --no-header \
       -p no:cacheprovider -rfEsxX >"$logs/shard_$i.log" 2>&1 &
   done
   failed=0
   for ((i = 0; i < shards; i++)); do wait -n || failed=1; done
-  for ((i = 0; i < shards; i++)); do echo "---- shard $i/$shards"; cat "$logs/shard_$i.log"; done >"$OUT/pytest_gpu.log"
+  trap - TERM INT
+  collect_logs
   grep -hE "^(FAILED|ERROR|XPASS)|(passed|failed|error|skipped).* in [0-9.]+s" "$OUT/pytest_gpu.log" | head -60
   [ $failed -eq 0 ] || { status=1; echo "pytest: a shard failed or timed out (rc != 0): see pytest_gpu.log"; }
 fi
