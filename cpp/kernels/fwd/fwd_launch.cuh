@@ -44,6 +44,13 @@ struct FwdTileTable;
 #ifndef FA3_FWD_HD64_LONG_BAND
 #define FA3_FWD_HD64_LONG_BAND 4096
 #endif
+// Stages of the 128 x 128 banded tile. Short causal problems switch tiles every few blocks; with
+// 2 stages the persistent producer is at most 2 blocks ahead, so the next tile's first K/V wait
+// on this tile's tail. FA3_FWD_HD64_BANDED_STAGES=4 (16 + 4 x 2 x 16 = 144 KB) lets it run into
+// the next tile as the unbanded tile does (A/B candidate, not yet measured).
+#ifndef FA3_FWD_HD64_BANDED_STAGES
+#define FA3_FWD_HD64_BANDED_STAGES 2
+#endif
 // Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
 // moves every k-th exponential to the FMA pipe (measured -6..+1% at k = 8: off).
 #ifndef FA3_FWD_HD64_EXP2_EMU
@@ -52,7 +59,7 @@ struct FwdTileTable;
 template <typename E>
 struct FwdTileTable<E, 64> {
   using full = FwdTraits<E, 64, 192, 128, 4, true, false, FA3_FWD_HD64_EXP2_EMU>;
-  using banded = FwdTraits<E, 64, 128, 128, 2, true, true>;
+  using banded = FwdTraits<E, 64, 128, 128, FA3_FWD_HD64_BANDED_STAGES, true, true>;
   using long_banded = FwdTraits<E, 64, 192, 128, 4, true, true>;
   static constexpr int kLongBand = FA3_FWD_HD64_LONG_BAND;
 };
@@ -66,15 +73,19 @@ struct FwdTileTable<E, 96> {
 // d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
 // smem; O 64 + S 88 + P 44 registers), with the seqlen_k-only mask. Banded problems: 128 x 128
 // (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
-// switch below: spill-free (R219) since the band mask compares against per-row bounds relative
-// to the thread's first column (44-120 bytes spilled before); not yet measured on the GPU.
+// switch below (spill-free, R219; on the H200 it gained only at causal 8k and lost at short
+// causal, with or without the dynamic schedule: off). FA3_FWD_HD128_BANDED_STAGES=3 (32 + 3 x 2
+// x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (A/B candidate).
 #ifndef FA3_FWD_HD128_BANDED_N
 #define FA3_FWD_HD128_BANDED_N 128
+#endif
+#ifndef FA3_FWD_HD128_BANDED_STAGES
+#define FA3_FWD_HD128_BANDED_STAGES 2
 #endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, 2, true, true>;
+  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, FA3_FWD_HD128_BANDED_STAGES, true, true>;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Build switches for the next A/B, both compiled
