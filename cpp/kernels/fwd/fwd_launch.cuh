@@ -75,7 +75,8 @@ struct FwdTileTable<E, 96> {
 // (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
 // switch below (spill-free, R219; on the H200 it gained only at causal 8k and lost at short
 // causal, with or without the dynamic schedule: off). FA3_FWD_HD128_BANDED_STAGES=3 (32 + 3 x 2
-// x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (A/B candidate).
+// x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (A/B candidate; fits
+// only the 128-wide block, so the 176-wide one keeps 2).
 #ifndef FA3_FWD_HD128_BANDED_N
 #define FA3_FWD_HD128_BANDED_N 128
 #endif
@@ -85,7 +86,8 @@ struct FwdTileTable<E, 96> {
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N, FA3_FWD_HD128_BANDED_STAGES, true, true>;
+  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N,
+                           FA3_FWD_HD128_BANDED_N == 128 ? FA3_FWD_HD128_BANDED_STAGES : 2, true, true>;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Build switches for the next A/B, both compiled
