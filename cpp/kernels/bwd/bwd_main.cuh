@@ -1,7 +1,8 @@
 // The backward main kernel: one CTA per (key block of 128, kv head, batch), warp specialised.
-//   warpgroup 0, warp 0: producer. TMA loads K, V once, then for every (pass, query head of the
-//     group, query block) Q, dO (2D TMA) and the block's LSE and D (1D bulk copies) into a ring
-//     of kStages shared-memory stages (full/empty mbarriers).
+//   warpgroup 0, warp 0: producer (load_kv_and_steps, also the split-D kernel's). TMA loads K, V
+//     once, then for every (pass, query head of the group, query block) Q, dO (2D TMA) and the
+//     block's LSE and D (1D bulk copies) into a ring of kStages shared-memory stages (full/empty
+//     mbarriers).
 //   warpgroups 1, 2: consumers (registers raised with setmaxnreg), 64 keys each; see
 //     bwd_traits.cuh for the GEMMs. dK/dV stay in registers over the whole loop (GQA: summed over
 //     the query heads of the group inside the CTA, so no fp32 dK/dV workspace and no atomics for
@@ -30,10 +31,10 @@ namespace bwd {
 
 template <class Tr>
 struct MainParams {
-  typename Tr::TmaQ tma_q;
-  typename Tr::TmaQ tma_do;
-  typename Tr::TmaK tma_k;
-  typename Tr::TmaV tma_v;
+  typename BwdLoads<Tr>::TmaQ tma_q;
+  typename BwdLoads<Tr>::TmaQ tma_do;
+  typename BwdLoads<Tr>::TmaK tma_k;
+  typename BwdLoads<Tr>::TmaV tma_v;
   const float* lse_log2;  // (b, hq, m_blocks * kBlockM), +inf where P must be 0
   const float* dpsum;     // (b, hq, m_blocks * kBlockM)
   float* dq_accum;        // (b, hq, m_blocks, chunk, warpgroup, fragment)
@@ -130,6 +131,70 @@ CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() {
   return FA3_BWD_QDO_EVICT_LAST ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
 }
 
+// Producer, one elected thread: K and V of key block n_block once, then for every (pass, query
+// head of kv head hk's group, query block in [m_begin, m_end)) Q and dO (TMA) and the block's
+// LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
+// Shared by bwd_main_kernel and bwd_split_d_kernel (both SharedStorage types hold k, v, q, dout,
+// lse, dpsum and the kv_full/full/empty barriers); each passes the CTA's coordinates from its own
+// grid (main: cta_coord, split-D: the 3D grid).
+template <class Tr>
+CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
+                                   int b, int group, int m_begin, int m_end) {
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  using Loads = BwdLoads<Tr>;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  auto tma_k = p.tma_k.get_slice(_0{});
+  auto tma_v = p.tma_v.get_slice(_0{});
+  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Loads::kBytesK);
+  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+  auto tma_q = p.tma_q.get_slice(_0{});
+  auto tma_do = p.tma_do.get_slice(_0{});
+  Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_K, stage)
+  Tensor tdOsdO = tma_do.partition_D(sdO);
+  int stage = 0;
+  uint32_t phase = 0;
+  #pragma unroll 1
+  for (int pass = 0; pass < Tr::kPasses; ++pass) {
+    // Walk the group's query heads by head index, and LSE/D rows by a running offset: with
+    // hk and b decoded from a 1D grid (FA3_BWD_LPT) rather than read from blockIdx, fewer
+    // loop values keep the 24-register producer free of spills.
+    const int h_first = hk * group, h_end = h_first + group;
+    int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
+    #pragma unroll 1
+    for (int h = h_first; h < h_end; ++h, row0 += int64_t(p.m_blocks) * kBlockM) {
+      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+      Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
+      Tensor tdOgdO = tma_do.partition_S(gdO);
+      const float* lse = p.lse_log2 + row0;
+      const float* dpsum = p.dpsum + row0;
+      #pragma unroll 1
+      for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
+        ClusterBar::wait(&ss.empty[stage], phase ^ 1);
+        TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesStage);
+        copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+        copy(p.tma_do.with(ss.full[stage], 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
+        SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
+        SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
+        if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
+      }
+    }
+  }
+}
+
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
 //   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).
 //   DetIn/DetOut: deterministic turn taking in the consumers (atomic dQ path, 256 threads).
@@ -183,57 +248,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-      if (threadIdx.x == 0 && m_end > m_begin) {
-        Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-        Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-        Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
-        Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-        Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-        Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-        Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-        Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-        Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-        auto tma_k = p.tma_k.get_slice(_0{});
-        auto tma_v = p.tma_v.get_slice(_0{});
-        TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kBytesK);
-        copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-        copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-
-        auto tma_q = p.tma_q.get_slice(_0{});
-        auto tma_do = p.tma_do.get_slice(_0{});
-        Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_K, stage)
-        Tensor tdOsdO = tma_do.partition_D(sdO);
-        int stage = 0;
-        uint32_t phase = 0;
-        #pragma unroll 1
-        for (int pass = 0; pass < Tr::kPasses; ++pass) {
-          // Walk the group's query heads by head index, and LSE/D rows by a running offset: with
-          // hk and b decoded from a 1D grid (FA3_BWD_LPT) rather than read from blockIdx, fewer
-          // loop values keep the 24-register producer free of spills.
-          const int h_first = hk * group, h_end = h_first + group;
-          int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
-          #pragma unroll 1
-          for (int h = h_first; h < h_end; ++h, row0 += int64_t(p.m_blocks) * kBlockM) {
-            Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-            Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-            Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
-            Tensor tdOgdO = tma_do.partition_S(gdO);
-            const float* lse = p.lse_log2 + row0;
-            const float* dpsum = p.dpsum + row0;
-            #pragma unroll 1
-            for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
-              ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-              TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
-              copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-              copy(p.tma_do.with(ss.full[stage], 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
-              SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
-              SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
-              if (++stage == kStages) { stage = 0; phase ^= 1; }
-            }
-          }
-        }
-      }
+      if (threadIdx.x == 0 && m_end > m_begin) load_kv_and_steps(p, ss, n_block, hk, b, group, m_begin, m_end);
     } else if (Tr::kDQSmem && warp == 1) {
       Storage& ss = storage();
       int n_block, hk, b;

@@ -1,11 +1,13 @@
 // The split-D backward main kernel (head dim 256; traits and GEMM list in bwd_split_d_traits.cuh).
 // One CTA per (64 keys, kv head, batch), warp specialised like bwd_main_kernel:
-//   warpgroup 0, warp 0: producer (TMA: K, V once; Q, dO, LSE, D per step into a 2-stage ring).
+//   warpgroup 0, warp 0: producer (TMA: K, V once; Q, dO, LSE, D per step into a 2-stage ring),
+//     the same code as bwd_main_kernel's.
 //   warpgroups 1, 2: consumers. Per step (query block of 64 rows, one query head of the group):
 //     S, dP for 32 keys each -> P, dS into shared memory -> sync -> each warpgroup accumulates
 //     dV^T and dK^T for its 128 head-dim rows over all 64 keys, and adds its columns of
 //     dQ = dS K to the fp32 accumulator with float4 atomics.
-// Shared with bwd_main.cuh: MainParams, query_block_range, the named-barrier ids, the
+// Shared with bwd_main.cuh: MainParams, the producer (load_kv_and_steps; its TMA types and
+// byte counts are BwdLoads in bwd_traits.cuh), query_block_range, the named-barrier ids, the
 // deterministic turn protocol (identical to the atomic dQ path there) and the dQ accumulator
 // layout (so preprocess/postprocess are the same kernels).
 #pragma once
@@ -20,61 +22,6 @@
 
 namespace fa3 {
 namespace bwd {
-
-// Producer warp (one elected thread issues everything). Kept separate from bwd_main_kernel's
-// producer (which also walks column passes) so that main's tested kernel is unchanged.
-template <class Tr>
-CUTE_DEVICE void split_d_producer(MainParams<Tr> const& p, typename Tr::SharedStorage& ss,
-                                  int m_begin, int m_end) {
-  using TxBar = cutlass::arch::ClusterTransactionBarrier;
-  using ClusterBar = cutlass::arch::ClusterBarrier;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  const int group = p.heads_q / p.heads_kv;
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  auto tma_k = p.tma_k.get_slice(_0{});
-  auto tma_v = p.tma_v.get_slice(_0{});
-  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Tr::kBytesK);
-  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
-
-  auto tma_q = p.tma_q.get_slice(_0{});
-  auto tma_do = p.tma_do.get_slice(_0{});
-  Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, TMA_M, TMA_K, stage)
-  Tensor tdOsdO = tma_do.partition_D(sdO);
-  int stage = 0;
-  uint32_t phase = 0;
-  #pragma unroll 1
-  for (int hi = 0; hi < group; ++hi) {
-    const int h = hk * group + hi;
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
-    Tensor tdOgdO = tma_do.partition_S(gdO);
-    const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
-    const float* lse = p.lse_log2 + row0;
-    const float* dpsum = p.dpsum + row0;
-    #pragma unroll 1
-    for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
-      ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-      TxBar::arrive_and_expect_tx(&ss.full[stage], Tr::kBytesStage);
-      copy(p.tma_q.with(ss.full[stage]), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-      copy(p.tma_do.with(ss.full[stage]), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
-      SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Tr::kBytesRow);
-      SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Tr::kBytesRow);
-      if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
-    }
-  }
-}
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
@@ -106,10 +53,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     // ------------------------------------------------------------------ producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
+      // main's producer, on this kernel's 3D grid (the launch keeps it: no FA3_BWD_LPT decode).
+      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+      const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       int m_begin, m_end;
-      query_block_range(band, blockIdx.x, kBlockN, kBlockM, m_begin, m_end);
-      if (m_end > m_begin) split_d_producer<Tr>(p, storage(), m_begin, m_end);
+      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+      if (m_end > m_begin) load_kv_and_steps(p, storage(), n_block, hk, b, group, m_begin, m_end);
     }
     return;
   }

@@ -44,6 +44,8 @@ struct SplitDTraits {
   static constexpr int kStages = 2;    // Q/dO/LSE/D ring: the next step's 64 KB load overlaps
   static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
                                        // warpgroup may still read this step's (no extra barrier)
+  static constexpr int kPasses = 1;    // one walk over the query blocks (the shared producer's
+                                       // pass loop, bwd_main.cuh)
   static constexpr int kHdWg = kHeadDim / kNumMmaWG;  // dK^T/dV^T rows per warpgroup
   // dQ in two column chunks of 128, each split 64/64 between the warpgroups: the same tiling and
   // fragment order as BwdTile<256>, so the accumulator layout and bwd_postprocess are shared.
@@ -102,21 +104,7 @@ struct SplitDTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWG>, _1>>{}));
 
-  // ---- global tensors as TMA sees them: (seqlen, head_dim, heads, batch)
-  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
-      SmemLayoutQ1{}));
-  using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
-      SmemLayoutK{}));
-  using TmaV = TmaK;
-
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);
-  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+  // The producer's TMA types and transaction bytes: BwdLoads (bwd_traits.cuh), as for BwdTraits.
 
   // 32 (K) + 32 (V) + 2 x 64 (Q, dO stages) + 16 (P x2) + 16 (dS x2) = 224 KB + statistics.
   struct SharedStorage {

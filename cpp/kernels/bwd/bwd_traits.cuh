@@ -213,23 +213,7 @@ struct BwdTraits {
   static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
   static_assert(kDQFrag % 4 == 0);
 
-  // ---- global tensors as TMA sees them: (seqlen, head_dim, heads, batch)
-  using GShape = Shape<int32_t, int32_t, int32_t, int32_t>;
-  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
-      SmemLayoutQ1{}));
-  using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
-      SmemLayoutK{}));
-  using TmaV = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}),
-      SmemLayoutV{}));
-
-  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);  // LSE or D of one query block
-  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+  // The producer's TMA types and transaction bytes: BwdLoads below (shared with split-D).
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
@@ -248,6 +232,28 @@ struct BwdTraits {
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
   static_assert(kSmemBytes <= 232448, "backward tile exceeds 227 KB of shared memory");
+};
+
+// What the producer warp loads (bwd_main.cuh, load_kv_and_steps) for a traits class Tr, either
+// BwdTraits or SplitDTraits: the TMA copy types over the global tensors as TMA sees them,
+// (seqlen, head_dim, heads, batch), and the transaction bytes of K + V and of one Q/dO/LSE/D stage.
+template <class Tr>
+struct BwdLoads {
+  using Element = typename Tr::Element;
+  template <class SmemLayout>
+  using Tma = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
+                  Stride<int64_t, _1, int64_t, int64_t>{}),
+      SmemLayout{}));
+  using TmaQ = Tma<typename Tr::SmemLayoutQ1>;  // Q and dO: one stage
+  using TmaK = Tma<typename Tr::SmemLayoutK>;
+  using TmaV = Tma<typename Tr::SmemLayoutV>;
+
+  static constexpr uint32_t kBytesQ = Tr::kBlockM * Tr::kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = Tr::kBlockN * Tr::kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRow = Tr::kBlockM * sizeof(float);  // LSE or D of one query block
+  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
 };
 
 }  // namespace bwd
