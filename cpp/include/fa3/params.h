@@ -37,6 +37,14 @@ struct AttentionOptions {
   int window_right = kUnbounded;
 };
 
+// Whether the band cuts into some query row's key range (causal, local, shifted): then blocks
+// need the band mask and the work per query/key block varies. A window reaching at least
+// seqlen_q + seqlen_k on both sides cuts nothing (only the end of the key range is masked).
+inline bool band_limits_work(const AttentionShape& s, const AttentionOptions& o) {
+  const int64_t reach = int64_t(s.seqlen_q) + s.seqlen_k;
+  return int64_t(o.window_left) < reach || int64_t(o.window_right) < reach;
+}
+
 struct FwdParams {
   AttentionShape shape;
   AttentionOptions opts;

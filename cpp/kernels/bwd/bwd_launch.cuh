@@ -75,9 +75,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
       p.opts.softmax_scale,
       p.deterministic ? 1 : 0,
       BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
-                   bwd_order_section(s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.batch,
-                                     Tr::kHeadDim, int(sizeof(Element)), p.opts.window_left,
-                                     p.opts.window_right)}};
+                   bwd_order_section(s, p.opts, int(sizeof(Element)))}};
   auto kernel = [] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
     else return bwd_main_kernel<Tr>;
@@ -90,7 +88,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
   // split-D kernel decodes the 3D grid itself: it keeps it).
   const dim3 grid = FA3_BWD_LPT != 0 && !IsSplitD<Tr>::value
                         ? dim3(mp.order.num_tiles())
-                        : dim3((s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch);
+                        : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
   kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
   return cudaGetLastError();
 }

@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "common/utils.cuh"
+#include "fa3/params.h"
 
 #ifndef FA3_BWD_LPT
 #define FA3_BWD_LPT 1
@@ -55,13 +56,11 @@ struct BwdTileOrder {
 // With one, as many (kv head, batch) pairs as keep their Q, dO (input dtype) and fp32 dQ
 // accumulator within ~40 MB of the H200's L2 (FA3 budgets the same), rounded down to a power
 // of two, at least 1.
-inline int bwd_order_section(int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int batch,
-                             int head_dim, int elem_bytes, int window_left, int window_right) {
-  const int64_t reach = int64_t(seqlen_q) + seqlen_k;
-  const bool banded = int64_t(window_left) < reach || int64_t(window_right) < reach;
-  if (!banded) return 1;
-  const int64_t group = heads_kv > 0 ? heads_q / heads_kv : 1;
-  const int64_t bytes = group * seqlen_q * int64_t(head_dim) * (2 * elem_bytes + 4);
+inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& opts, int elem_bytes) {
+  if (!band_limits_work(s, opts)) return 1;
+  const int heads_kv = s.heads_kv, batch = s.batch;
+  const int64_t group = heads_kv > 0 ? s.heads_q / heads_kv : 1;
+  const int64_t bytes = group * s.seqlen_q * int64_t(s.head_dim) * (2 * elem_bytes + 4);
   int64_t fit = (int64_t(40) << 20) / (bytes > 0 ? bytes : 1);
   int section = 1;
   while (int64_t(section) * 2 <= fit) section *= 2;

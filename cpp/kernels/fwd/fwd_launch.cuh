@@ -115,12 +115,6 @@ struct FwdTileTable<E, 192> : FwdTileTableLarge<E, 192, 96> {};
 template <typename E>
 struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {};
 
-// Whether the band cuts into the key range somewhere (then the work per tile varies).
-inline bool band_limits_work(const FwdParams& fp) {
-  int64_t reach = int64_t(fp.shape.seqlen_q) + fp.shape.seqlen_k;
-  return int64_t(fp.opts.window_left) < reach || int64_t(fp.opts.window_right) < reach;
-}
-
 // Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
 // tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
 // result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
@@ -132,7 +126,7 @@ constexpr bool kFwdDynamicBanded = FA3_FWD_DYNAMIC_BANDED != 0;
 static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the workspace result");
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
-  return kFwdDynamicBanded && band_limits_work(fp);
+  return kFwdDynamicBanded && band_limits_work(fp.shape, fp.opts);
 }
 
 template <typename Element, int kHeadDim>
@@ -155,7 +149,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.v)), k_shape, k_stride);
   Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(fp.out)), q_shape, q_stride);
 
-  bool varying = band_limits_work(fp);
+  bool varying = band_limits_work(fp.shape, fp.opts);
   StaticTileScheduler sched;
   sched.num_m_blocks = (s.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   sched.num_heads = s.heads_q;
@@ -233,7 +227,7 @@ template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
-  if (!band_limits_work(fp)) return launch_fwd<typename Table::full>(fp, stream);
+  if (!band_limits_work(fp.shape, fp.opts)) return launch_fwd<typename Table::full>(fp, stream);
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
   return launch_fwd<typename Table::banded>(fp, stream);

@@ -78,7 +78,11 @@ int main() {
     int sq = 1 + rand() % 20000, sk = 1 + rand() % 20000, hkv = 1 + rand() % 16, g = 1 + rand() % 8;
     int batch = 1 + rand() % 64, d = 64 * (1 + rand() % 4);
     int wl = rand() % 3 ? kUnbounded : rand() % 500, wr = rand() % 2 ? kUnbounded : 0;
-    int s = bwd_order_section(sq, sk, hkv * g, hkv, batch, d, 2, wl, wr);
+    AttentionShape shape{batch, sq, sk, hkv * g, hkv, d};
+    AttentionOptions opts;
+    opts.window_left = wl;
+    opts.window_right = wr;
+    int s = bwd_order_section(shape, opts, 2);
     bool banded = wl != kUnbounded || wr != kUnbounded;
     if (s < 1 || s > hkv * batch || (s != hkv * batch && (s & (s - 1))) || (!banded && s != 1)) ++sbad;  // clamped to all heads, else a power of two
   }
@@ -93,7 +97,9 @@ int main() {
       const int batch = 16384 / seq, heads = 2048 / hd;
       const int nb = (seq + 127) / 128;
       BandMask causal{seq, seq, kUnbounded, 0};
-      const int sec = bwd_order_section(seq, seq, heads, heads, batch, hd, 2, kUnbounded, 0);
+      AttentionOptions causal_opts;
+      causal_opts.window_right = 0;
+      const int sec = bwd_order_section(AttentionShape{batch, seq, seq, heads, heads, hd}, causal_opts, 2);
       BwdTileOrder def{nb, heads, batch, 1}, lpt{nb, heads, batch, sec};
       std::vector<double> c_def, c_lpt;
       double work = 0;
