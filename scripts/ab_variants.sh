@@ -23,12 +23,8 @@ shift
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-var=FA3_${AB_DIRECTION:-fwd}_DEFINES
-var=${var^^}
 build() {  # build NAME DEFINES: install into /tmp/variant_NAME; rc in /tmp/ab_NAME.rc
-  env "$var=$2" INSTALL_TARGET="/tmp/variant_$1" SKIP_TESTS=1 SKIP_BENCH=1 \
-    ${AB_PIPELINE:+nice -n 19} scripts/gpu_cycle.sh "/tmp/ab_$1" >"/tmp/ab_$1.log" 2>&1
-  echo $? >"/tmp/ab_$1.rc"
+  ${AB_PIPELINE:+nice -n 19} scripts/build_variant.sh "$1" "$2"
 }
 
 run_all() {
@@ -43,7 +39,7 @@ run_all() {
   fi
   for spec in "$@"; do
     name=${spec%%=*}
-    echo "== variant $name: $var='${spec#*=}'"
+    echo "== variant $name: ${AB_DIRECTION:-fwd} defines '${spec#*=}'"
     if [ "${AB_PIPELINE:-0}" = 1 ]; then
       while [ ! -f "/tmp/ab_$name.rc" ]; do sleep 2; done
     elif [ ! -f "/tmp/ab_$name.rc" ]; then

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU suite for several kernel build variants in one device call: build each variant (one
-# after another, each into /tmp/variant_NAME as scripts/ab_variants.sh does, so its benchmark can
-# reuse the build with AB_REUSE=1), then test them side by side, variant i on the i-th GPU in
-# SUITE_GPUS (default "0 1 ..."), TEST_SHARDS processes each.
+# after another, scripts/build_variant.sh: into /tmp/variant_NAME, so scripts/ab_variants.sh
+# AB_REUSE=1 can benchmark the same build), then test them side by side, variant i on the i-th
+# GPU in SUITE_GPUS (default "0 1 ..."), TEST_SHARDS processes each.
 #   scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
 #   e.g. AB_DIRECTION=bwd PYTEST_ARGS_lpt="-m gpu tests/test_bwd_gpu.py" \
 #        scripts/suite_variants.sh $OUT base= lpt="FA3_BWD_LPT=1"
@@ -16,19 +16,17 @@ shift
 [ $# -ge 1 ] || { echo "suite_variants: name at least one variant (NAME=DEFINES)" >&2; exit 2; }
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-var=FA3_${AB_DIRECTION:-fwd}_DEFINES
-var=${var^^}
 read -r -a gpus <<<"${SUITE_GPUS:-$(seq -s ' ' 0 $(($# - 1)))}"
 status=0
 
 for spec in "$@"; do  # builds one after another: each takes every core
   name=${spec%%=*}
-  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "suite_variants: bad variant name '$name'"; exit 2; }
-  echo "== build $name: $var='${spec#*=}'"
-  env "$var=${spec#*=}" INSTALL_TARGET="/tmp/variant_$name" SKIP_TESTS=1 SKIP_BENCH=1 \
-    scripts/gpu_cycle.sh "$OUT/$name" >"$OUT/$name.build.txt" 2>&1
+  echo "== build $name: ${AB_DIRECTION:-fwd} defines '${spec#*=}'"
+  scripts/build_variant.sh "$name" "${spec#*=}"
   rc=$?
-  echo $rc >"/tmp/ab_$name.rc"  # what ab_variants.sh AB_REUSE=1 reads
+  mkdir -p "$OUT/$name"
+  cp "/tmp/ab_$name.log" "$OUT/$name.build.txt"
+  cp /tmp/ab_"$name"/{build.log,info.txt} "$OUT/$name/" 2>/dev/null
   grep -E "built in|LDL/STL=[1-9]" "$OUT/$name.build.txt"
   [ $rc -eq 0 ] || { echo "build $name failed"; tail -20 "$OUT/$name.build.txt"; status=1; }
 done

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Build and install one kernel build variant into /tmp/variant_NAME (no tests, no benchmark):
+# the build step of scripts/ab_variants.sh and scripts/suite_variants.sh.
+#   scripts/build_variant.sh NAME DEFINES
+# DEFINES go to FA3_FWD_DEFINES or, with AB_DIRECTION=bwd, FA3_BWD_DEFINES; the build set is
+# FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh. The cycle's output
+# folder is /tmp/ab_NAME (build.log, info.txt), its log /tmp/ab_NAME.log, and the exit status
+# also goes to /tmp/ab_NAME.rc (what ab_variants.sh AB_REUSE=1 reads).
+set -uo pipefail
+name=${1:?usage: scripts/build_variant.sh NAME DEFINES}
+[[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "build_variant: bad variant name '$name'" >&2; exit 2; }
+cd "$(dirname "$0")/.."
+var=FA3_${AB_DIRECTION:-fwd}_DEFINES
+env "${var^^}=${2-}" INSTALL_TARGET="/tmp/variant_$name" SKIP_TESTS=1 SKIP_BENCH=1 \
+  scripts/gpu_cycle.sh "/tmp/ab_$name" >"/tmp/ab_$name.log" 2>&1
+rc=$?
+echo $rc >"/tmp/ab_$name.rc"
+exit $rc
