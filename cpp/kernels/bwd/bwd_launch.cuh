@@ -95,22 +95,23 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
 
 }  // namespace bwd
 
+namespace bwd {
+
+// FA3_BWD_HD128_BLOCK_M_FULL=80: hd128 problems without a band and without softcap run 80-row
+// steps (BwdTraitsHd128Full; FA3 does the same), the others the tile table's 64-row kernel.
+// Pre/postprocess, workspace layout and main kernel of one call all use the chosen traits.
 template <typename Element, int kHeadDim>
-size_t bwd_workspace_bytes_impl(const BwdParams& p) {
-  return bwd::workspace_layout<bwd::BwdTraitsFor<Element, kHeadDim, false>>(p).total;
+bool bwd_uses_full_tile(const BwdParams& p) {
+  return FA3_BWD_HD128_BLOCK_M_FULL != 0 && kHeadDim == 128 && !(p.opts.softcap > 0.f) &&
+         !band_limits_work(p.shape, p.opts);
 }
 
-template <typename Element, int kHeadDim>
-cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
-  // BwdTraitsFor: the split-D variant for hd256 under FA3_BWD_HD256_SPLIT_D=1, else BwdTraits.
-  using Tr = bwd::BwdTraitsFor<Element, kHeadDim, false>;
-  using TrCap = bwd::BwdTraitsFor<Element, kHeadDim, true>;
+template <class Tr, class TrCap>
+cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   const auto& s = p.shape;
-  if (s.head_dim != kHeadDim) return cudaErrorInvalidValue;
-  if (p.workspace == nullptr) return cudaErrorInvalidValue;
-  const bwd::Workspace w = bwd::workspace_layout<Tr>(p);
+  const Workspace w = workspace_layout<Tr>(p);
   char* ws = static_cast<char*>(p.workspace);
-  bwd::PrePostParams pp;
+  PrePostParams pp;
   pp.out = p.out;
   pp.dout = p.dout;
   pp.lse = p.lse;
@@ -125,13 +126,46 @@ cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
   pp.softmax_scale = p.opts.softmax_scale;
 
   dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
-  bwd::bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
-  cudaError_t err = p.opts.softcap > 0.f ? bwd::launch_main<TrCap>(p, pp, stream)
-                                         : bwd::launch_main<Tr>(p, pp, stream);
+  cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, stream)
+                                         : launch_main<Tr>(p, pp, stream);
   if (err != cudaSuccess) return err;
-  bwd::bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  // TileDQSwapAB: the split-D traits (hd256) have no kDQSwapAB member.
+  if constexpr (TileDQSwapAB<Tr>::value) bwd_postprocess_dqt_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  else bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   return cudaGetLastError();
+}
+
+}  // namespace bwd
+
+template <typename Element, int kHeadDim>
+size_t bwd_workspace_bytes_impl(const BwdParams& p) {
+#if FA3_BWD_HD128_BLOCK_M_FULL
+  if constexpr (kHeadDim == 128) {
+    if (bwd::bwd_uses_full_tile<Element, kHeadDim>(p))
+      return bwd::workspace_layout<bwd::BwdTraitsHd128Full<Element, false>>(p).total;
+  }
+#endif
+  return bwd::workspace_layout<bwd::BwdTraitsFor<Element, kHeadDim, false>>(p).total;
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
+  // BwdTraitsFor: the split-D variant for hd256 under FA3_BWD_HD256_SPLIT_D=1, else BwdTraits.
+  using Tr = bwd::BwdTraitsFor<Element, kHeadDim, false>;
+  using TrCap = bwd::BwdTraitsFor<Element, kHeadDim, true>;
+  if (p.shape.head_dim != kHeadDim) return cudaErrorInvalidValue;
+  if (p.workspace == nullptr) return cudaErrorInvalidValue;
+#if FA3_BWD_HD128_BLOCK_M_FULL
+  if constexpr (kHeadDim == 128) {
+    // No softcap here, so the second traits are never launched (the softcap kernel stays 64 rows).
+    if (bwd::bwd_uses_full_tile<Element, kHeadDim>(p))
+      return bwd::run_bwd_with<bwd::BwdTraitsHd128Full<Element, false>,
+                               bwd::BwdTraitsHd128Full<Element, false>>(p, stream);
+  }
+#endif
+  return bwd::run_bwd_with<Tr, TrCap>(p, stream);
 }
 
 }  // namespace fa3

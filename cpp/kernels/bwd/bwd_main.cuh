@@ -88,6 +88,14 @@ CUTE_DEVICE void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// shfl.sync.idx with segment mask 3 (c = 0x31f): reads lane (lane & 3) | (base & ~3), i.e. lane
+// base + lane % 4 for base a multiple of 4 (PTX ISA, shfl.sync: j = minLane | (b & ~segmask)).
+CUTE_DEVICE float shfl_idx_seg3(uint32_t mask, float v, int base) {
+  float r;
+  asm("shfl.sync.idx.b32 %0, %1, %2, 0x31f, %3;" : "=f"(r) : "f"(v), "r"(base), "r"(mask));
+  return r;
+}
+
 // fp32 fragment -> 16-bit fragment of the same layout (packed-pair conversion).
 template <class TIn, class TOut>
 CUTE_DEVICE void convert_fragment(TIn const& in, TOut& out) {
@@ -359,7 +367,11 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     Tensor tSrQ = thr_sdp.partition_fragment_B(sub_rows(sQ));    // (MMA, N, K, sub, 1, stage)
     Tensor tdPrV = thr_sdp.partition_fragment_A(sV);
     Tensor tdPrdO = thr_sdp.partition_fragment_B(sub_rows(sdO));
-    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, M, K, dS stage)
+    // dS as the dQ GEMM's A operand (MMA, M, K, dS stage), or B when swapped (MMA, N, K, dS stage).
+    Tensor tdQrdS = [&] {
+      if constexpr (Tr::kDQSwapAB) return thr_dq.partition_fragment_B(sdS);
+      else return thr_dq.partition_fragment_A(sdS);
+    }();
 
     // Coordinates (key row, query column of the sub-step) of this thread's S^T accumulator elements.
     Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
@@ -405,7 +417,9 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
           CUTLASS_PRAGMA_UNROLL
           for (int sub = 0; sub < Tr::kSubM; ++sub) {
             const int q0 = m0 + sub * kBlockMSdP;
-            need_mask[sub] =
+            // kNoBand (the 80-row hd128 tile, launched only without a band): the key bound alone.
+            if constexpr (Tr::kNoBand) need_mask[sub] = n_partial;
+            else need_mask[sub] =
                 n_partial || !band.block_is_interior(q0, min(q0 + kBlockMSdP, p.seqlen_q) - 1, n0, kBlockN);
           }
           const int stage = it % kStages;
@@ -438,6 +452,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             // that needs column c = 8j + 2(lane % 4) + e (element i = e + 2 r + 4 j of the
             // ((2,2,kBlockMSdP/8),1,1) accumulator) takes it from lane (c % 64) / 2 by a shuffle:
             // kBlockMSdP/32 registers per statistic instead of up to kBlockMSdP/4 loaded values.
+            // A partial last group of 64 columns (80 rows: columns 64..79) is not shuffled: each
+            // thread reads its own 4 columns there from shared memory (fewer live registers).
             float2 lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
             if constexpr (Tr::kShuffleStats) {
               CUTLASS_PRAGMA_UNROLL
@@ -447,7 +463,18 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
               }
             }
             auto stat = [&](const float* sm, float2 const (&r)[kBlockMSdP / 64], int i) {
-              if constexpr (Tr::kShuffleStats) {
+              if constexpr (Tr::kShuffleStats && Tr::kShflSegLane) {
+                // Source lane 4 (j % 8) + lane % 4 with the lane bits 0-1 taken from the reader
+                // (segment mask 3 in shfl's c operand): 4 (j % 8) is an immediate, so no register
+                // holds the 8 source lanes. Columns past the last full 64 (80 rows: 64..79) are
+                // read from shared memory.
+                if (i / 32 < kBlockMSdP / 64) {
+                  const int j = i / 4;
+                  const float2 v = r[j / 8];
+                  return shfl_idx_seg3(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8));
+                }
+                return sm[get<1>(tScS(i))];
+              } else if constexpr (Tr::kShuffleStats) {
                 const int j = i / 4;
                 const float2 v = r[j / 8];
                 return __shfl_sync(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8) + ct % 4);
@@ -461,9 +488,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
               if (need_mask[sub]) {
                 CUTLASS_PRAGMA_UNROLL
                 for (int i = 0; i < size(tSrS); ++i) {
-                  const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
-                  const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-                  if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) tSrS(i) = 0.f;
+                  if constexpr (Tr::kNoBand) {  // the key bound only
+                    if (n0 + get<0>(tScS(i)) >= p.seqlen_k) tSrS(i) = 0.f;
+                  } else {
+                    const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
+                    const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                    if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) tSrS(i) = 0.f;
+                  }
                 }
               }
             };
@@ -503,9 +534,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
                 }
                 float pv = exp2f(s * p.scale_log2 - stat(lse, lse_r, i));
                 if (need_mask[sub]) {
-                  const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
-                  const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-                  if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
+                  if constexpr (Tr::kNoBand) {  // the key bound only
+                    if (n0 + get<0>(tScS(i)) >= p.seqlen_k) pv = 0.f;
+                  } else {
+                    const int j = n0 + get<0>(tScS(i)), qi = q0 + get<1>(tScS(i));
+                    const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
+                    if (j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right) pv = 0.f;
+                  }
                 }
                 tSrS(i) = pv;
                 tdPrdP(i) = pv * dtanh * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
@@ -550,9 +585,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
               CUTLASS_PRAGMA_UNROLL
               for (int c = 0; c < Tr::kDQChunks; ++c) {
                 Tensor sKt_c = local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(c, _0{}));
-                Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);
-                Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{});
-                wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
+                Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
+                if constexpr (Tr::kDQSwapAB) {  // dQ^T = K^T dS^T: this warpgroup's 64 columns x kBlockM
+                  Tensor tdQrK = thr_dq.partition_fragment_A(sKt_c);
+                  wgmma_gemm<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, ds_stage), tdQrdQ);
+                } else {
+                  Tensor tdQrK = thr_dq.partition_fragment_B(sKt_c);
+                  wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
+                }
                 if (c == 0) {
                   wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
                   warpgroup_wait<1>();  // dV and dQ chunk 0 done; dK may still run

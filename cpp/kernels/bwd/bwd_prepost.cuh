@@ -34,14 +34,19 @@ template <class Tr>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams p) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
-  constexpr int kThreadsPerRow = 256 / kBlockM;
+  // Threads per row: 256 / kBlockM where that divides; else (80 rows) 2, with the threads past
+  // the block's rows idle (a power of two: the shuffle reduction below stays within a row).
+  constexpr bool kRowsFill = 256 % kBlockM == 0;
+  constexpr int kThreadsPerRow = kRowsFill ? 256 / kBlockM : 2;
+  static_assert(kRowsFill || kThreadsPerRow * kBlockM <= 256);
   constexpr int kPerThread = kHeadDim / kThreadsPerRow;  // elements of one row per thread
   static_assert(kPerThread % 8 == 0);
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int r = threadIdx.x / kThreadsPerRow, part = threadIdx.x % kThreadsPerRow;
+  const bool active = kRowsFill || r < kBlockM;
   const int row = m * kBlockM + r;
   float acc = 0.f;
-  if (row < p.seqlen_q) {
+  if (active && row < p.seqlen_q) {
     const int64_t off = ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + part * kPerThread;
     const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
     const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
@@ -57,7 +62,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   CUTLASS_PRAGMA_UNROLL
   for (int s = 1; s < kThreadsPerRow; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
   const int64_t bh = int64_t(b) * p.heads_q + h;
-  if (part == 0) {
+  if (active && part == 0) {
     const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
     float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
     p.dpsum[idx] = acc;
@@ -102,6 +107,51 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
               dq + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + col) = out;
         }
       }
+    }
+  }
+}
+
+// Postprocess of the swapped dQ GEMM (Tr::kDQSwapAB: hd128 at 80-row steps). The accumulator
+// holds dQ^T fragments (warpgroup w: columns [64w, 64w + 64) x kBlockM queries, float4 j of
+// thread t at j * 128 + t; registers 2k, 2k+1 are adjacent queries of one column): gather the
+// block into a (query, column) fp32 tile in shared memory, then write rows as 16-byte vectors.
+template <class Tr>
+__global__ void __launch_bounds__(256) bwd_postprocess_dqt_kernel(const PrePostParams p) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  static_assert(Tr::kDQSwapAB && Tr::kDQChunks == 1);
+  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
+  constexpr int kPitch = kHeadDim + 4;  // fragment scatter: 32 distinct banks per warp store
+  __shared__ alignas(16) float tile[kBlockM * kPitch];
+  typename Tr::MmadQ mma_dq;
+  Tensor cdQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
+  static_assert(decltype(size(cdQ))::value == Tr::kDQFrag);
+  const int64_t bh = int64_t(b) * p.heads_q + h;
+  const float4* acc = reinterpret_cast<const float4*>(
+      p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim) + wg * Tr::kDQWgFloats);
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
+    const float4 v = acc[j * 128 + t];
+    const float vals[4] = {v.x, v.y, v.z, v.w};
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 4; ++e) tile[get<1>(cdQ(4 * j + e)) * kPitch + get<0>(cdQ(4 * j + e))] = vals[e];
+  }
+  __syncthreads();
+  Element* dq = static_cast<Element*>(p.dq);
+  constexpr int kVecPerRow = kHeadDim / 8;
+  for (int i = ct; i < kBlockM * kVecPerRow; i += 256) {
+    const int q = i / kVecPerRow, c8 = i % kVecPerRow, row = m * kBlockM + q;
+    if (row < p.seqlen_q) {
+      const float4 lo = *reinterpret_cast<const float4*>(tile + q * kPitch + 8 * c8);
+      const float4 hi = *reinterpret_cast<const float4*>(tile + q * kPitch + 8 * c8 + 4);
+      cutlass::Array<Element, 8> out;
+      out[0] = Element(lo.x * p.softmax_scale); out[1] = Element(lo.y * p.softmax_scale);
+      out[2] = Element(lo.z * p.softmax_scale); out[3] = Element(lo.w * p.softmax_scale);
+      out[4] = Element(hi.x * p.softmax_scale); out[5] = Element(hi.y * p.softmax_scale);
+      out[6] = Element(hi.z * p.softmax_scale); out[7] = Element(hi.w * p.softmax_scale);
+      *reinterpret_cast<cutlass::Array<Element, 8>*>(
+          dq + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + 8 * c8) = out;
     }
   }
 }

@@ -27,21 +27,33 @@
 #ifndef FA3_BWD_HD256_SPLIT_D
 #define FA3_BWD_HD256_SPLIT_D 1
 #endif
+// Keys per CTA: 80 (default since session 5, FA3's hd256 tile: +8-16% over 64) or 64. 80 keys
+// cut the Q/dO loads and the dQ atomics per MAC by 20% and spread each step's fixed costs over
+// 25% more tensor work; to fit 227 KB, dO then gets its own one-stage ring (Q keeps two) and is
+// released as soon as dV^T has read it (NOTES.md, "Split-D with 80 keys").
+#ifndef FA3_BWD_HD256_BLOCK_N
+#define FA3_BWD_HD256_BLOCK_N 80
+#endif
 
 namespace fa3 {
 namespace bwd {
 
-template <typename Element_, int kHeadDim_, bool kSoftcap_>
+template <typename Element_, int kHeadDim_, bool kSoftcap_, int kBlockN_ = FA3_BWD_HD256_BLOCK_N>
 struct SplitDTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr int kBlockM = 64;     // query rows per step
-  static constexpr int kBlockN = 64;     // keys per CTA (registers: 2 x kBlockN for dK^T + dV^T)
+  static constexpr int kBlockN = kBlockN_;  // keys per CTA (registers: 2 x kBlockN for dK^T + dV^T)
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + producer warpgroup
   static constexpr int kStages = 2;    // Q/dO/LSE/D ring: the next step's 64 KB load overlaps
+  // 80 keys: dO and D get a separate one-stage ring (K and V grow by 16 KB, two dO stages no
+  // longer fit); dO is released after dV^T, half a step before the next dP needs it (FA3 does
+  // the same). 64 keys: one ring, kStagesdO == kStages.
+  static constexpr int kStagesdO = kBlockN == 64 ? kStages : 1;
+  static constexpr bool kSepdO = kStagesdO != kStages;
   static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
                                        // warpgroup may still read this step's (no extra barrier)
   static constexpr int kPasses = 1;    // one walk over the query blocks (the shared producer's
@@ -59,6 +71,7 @@ struct SplitDTraits {
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHeadDim == 256, "split-D is written for head dim 256 (192 would need 96-row WG halves)");
+  static_assert(kBlockN == 64 || kBlockN == 80, "80 keys is the most dK^T + dV^T registers allow");
   static_assert(kDQFrag % 4 == 0);
 
   // ---- shared-memory layouts (physical: row-major tiles, last mode contiguous)
@@ -71,6 +84,10 @@ struct SplitDTraits {
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutdO = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStagesdO>>{}));
+  using SmemLayoutdOt = decltype(composition(
+      SmemLayoutdO{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStagesdO>>{},
+                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
   // K (keys, d): B operand of S (K-major); through the transposed view (d, keys) the MN-major
   // B operand of dQ, sliced per chunk and warpgroup (64 columns = one swizzle atom).
   using SmemLayoutK = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -80,15 +97,22 @@ struct SplitDTraits {
   using SmemLayoutV = SmemLayoutK;
   // P, dS (queries, keys), keys contiguous: written from the S/dP accumulators with stmatrix;
   // dS is the K-major A operand of dQ, and the transposed views (keys, queries) are the
-  // MN-major B operands of dV^T / dK^T.
-  using AtomPdS = decltype(kmajor_atom<Element, kBlockN>());
+  // MN-major B operands of dV^T / dK^T. The stmatrix copy splits the columns by warpgroup, so an
+  // atom must not straddle the 40-key halves of an 80-key tile: 8-column atoms there (no swizzle:
+  // each 8 x 8 core matrix is 128 contiguous bytes, one stmatrix matrix, no bank conflicts). The
+  // 64-key tile keeps its 128-byte swizzle (cute splits a 64-column atom in two evenly).
+  using AtomPdS = decltype(kmajor_atom<Element, kBlockN == 64 ? kBlockN : kBlockN / kNumMmaWG>());
   using SmemLayoutPdS = decltype(tile_to_shape(AtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesPdS>>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesPdS>>{},
                                    Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
 
+  // stmatrix of a warpgroup's S/dP accumulator (64 x kBlockN / 2): four 8x8 matrices per
+  // instruction need 16-key column groups; 40 keys (80-key CTA) store two at a time.
+  using StsmAtom = std::conditional_t<(kBlockN / kNumMmaWG) % 16 == 0, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>;
+
   // ---- WGMMA tilings (2 consumer warpgroups)
-  // S, dP: (queries 64, keys 64, d 256); warpgroup w takes keys [32w, 32w + 32).
+  // S, dP: (queries 64, keys kBlockN, d 256); warpgroup w takes keys [w, w + 1) * kBlockN / 2.
   using MmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / kNumMmaWG>, Int<kHeadDim>>>(),
       Layout<Shape<_1, Int<kNumMmaWG>, _1>>{}));
@@ -106,26 +130,29 @@ struct SplitDTraits {
 
   // The producer's TMA types and transaction bytes: BwdLoads (bwd_traits.cuh), as for BwdTraits.
 
-  // 32 (K) + 32 (V) + 2 x 64 (Q, dO stages) + 16 (P x2) + 16 (dS x2) = 224 KB + statistics.
+  // 64 keys: 32 (K) + 32 (V) + 2 x 64 (Q, dO stages) + 16 (P x2) + 16 (dS x2) = 224 KB + statistics.
+  // 80 keys: 40 + 40 + 2 x 32 (Q) + 32 (dO) + 20 (P x2) + 20 (dS x2) = 216 KB + statistics.
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> dout;
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> p;
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
     cute::array_aligned<float, kStages * kBlockM, 16> lse;    // log2-domain LSE per stage
-    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per stage
+    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per (dO) stage
     uint64_t kv_full;
-    uint64_t full[kStages];
+    uint64_t full[kStages];   // Q ring (and dO when !kSepdO)
     uint64_t empty[kStages];
+    uint64_t do_full;         // kSepdO only: the one-stage dO + D ring (inside the 1024 B padding
+    uint64_t do_empty;        // of the 64-key struct, so its size and offsets are unchanged)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment
   static_assert(kSmemBytes <= 232448, "split-D backward tile exceeds 227 KB of shared memory");
 };
 
 template <class Tr> struct IsSplitD : std::false_type {};
-template <typename E, int D, bool S> struct IsSplitD<SplitDTraits<E, D, S>> : std::true_type {};
+template <typename E, int D, bool S, int N> struct IsSplitD<SplitDTraits<E, D, S, N>> : std::true_type {};
 
 // The traits a (element, head dim, softcap) backward is built with: split-D for hd256 when the
 // switch is on, the default tile table otherwise.

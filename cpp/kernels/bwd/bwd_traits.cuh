@@ -17,6 +17,8 @@
 // them) and keeps dK/dV accumulation for the CTA's keys in registers.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -100,6 +102,56 @@ template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP 
 // 256: two passes of 128; dQ in two chunks; smem 64+64 + 64 (one stage) + 16 = 208 KB.
 template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 1, kStagesdS = 1, kPasses = 2, kDQChunks = 2; static constexpr bool kDQSmem = false, kOverlapP = FA3_BWD_HD256_OVERLAP, kOverlapDK = FA3_BWD_HD256_OVERLAP; };
 
+// hd128 at 80 query rows per step for problems without a band (FA3's non-causal hd128 step;
+// FA3_BWD_HD128_BLOCK_M_FULL, default 80 since session 5, +12-15% at non-causal 512-16k; 0 =
+// off): run_bwd_impl (bwd_launch.cuh) picks it for non-causal, non-local, non-softcap
+// problems; banded ones keep BwdTile<128>. 25% more work per step for the same per-step fixed
+// costs (stage wait/release, dS barrier, dQ hand-off and bulk reduce). 80 rows cannot be the
+// M side of a WGMMA, so the dQ GEMM is swapped (kDQSwapAB):
+// dQ^T = K^T dS^T, M = head dim (the warpgroups split it), N = 80 queries, A = K^T and B = dS
+// both MN-major from shared memory; the dQ accumulator holds each warpgroup's (64 d x 80 q)
+// dQ^T fragment, which bwd_postprocess un-transposes through shared memory. S^T/dP^T are
+// m64n80 per warpgroup (80 registers), dK + dV 128: the dK-across-steps overlap does not fit
+// (FA3_BWD_HD128_FULL_OVERLAP_DK=1 to try), P during dP^T only with spills (below). dS (queries contiguous, 80 = 5
+// x 16) takes the MN SW32 atom. smem 32+32 (K,V) + 2x20+2x20 (Q,dO) + 2x20 (dS) + 40 (dQ)
+// = 224 KB + LSE/D: see NOTES.md, "hd128 at 80-row steps".
+#ifndef FA3_BWD_HD128_BLOCK_M_FULL
+#define FA3_BWD_HD128_BLOCK_M_FULL 80
+#endif
+#ifndef FA3_BWD_HD128_FULL_OVERLAP_DK
+#define FA3_BWD_HD128_FULL_OVERLAP_DK 0
+#endif
+// P during dP^T at 80 rows: 24-40 B of spills (loop invariants reloaded, ~2 LDL per step), so off
+// by default (0 spills); FA3_BWD_HD128_FULL_OVERLAP_P=1 for the A/B.
+#ifndef FA3_BWD_HD128_FULL_OVERLAP_P
+#define FA3_BWD_HD128_FULL_OVERLAP_P 0
+#endif
+static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
+              "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");
+struct BwdTileHd128Full {
+  static constexpr int kBlockM = 80, kBlockMSdP = 80, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1;
+  static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P && FA3_BWD_HD128_FULL_OVERLAP_P,
+                        kOverlapDK = FA3_BWD_OVERLAP_DK && FA3_BWD_HD128_FULL_OVERLAP_DK;
+  static constexpr bool kDQSwapAB = true;
+  static constexpr bool kNoBand = true;  // launched only for problems without a band
+};
+// kDQSwapAB, kNoBand of a tile (false where the tile does not say). kNoBand: the host launches the
+// tile only for problems without a band (bwd_launch.cuh), so the element mask is the key bound.
+template <class T, class = void> struct TileDQSwapAB : std::false_type {};
+template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
+template <class T, class = void> struct TileNoBand : std::false_type {};
+template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
+
+// Traits of one (element, head dim, softcap, tile): BwdTraitsT below. BwdTraits is the tile
+// table's instantiation (a derived type, so the kernels keep their names and SASS);
+// BwdTraitsHd128Full the 80-row hd128 tile (FA3_BWD_HD128_BLOCK_M_FULL=80: unbanded, non-softcap
+// problems only). The base is dependent, so it is complete where these are instantiated.
+template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_> struct BwdTraitsT;
+template <typename Element, int kHeadDim, bool kSoftcap>
+struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
+template <typename Element, bool kSoftcap>
+struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
+
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
 CUTE_HOST_DEVICE constexpr auto kmajor_atom() {
@@ -116,12 +168,29 @@ CUTE_HOST_DEVICE constexpr auto mnmajor_atom() {
   else return GMMA::Layout_MN_INTER_Atom<T>{};
 }
 
-template <typename Element_, int kHeadDim_, bool kSoftcap_>
-struct BwdTraits {
+// dQ tiling (bwd_traits below): (queries kBlockM, kHdWg per warpgroup, keys 128), warpgroups
+// side by side along N; swapped: (kHdWg per warpgroup, queries kBlockM, keys 128), warpgroups
+// along M. A function, so that only the chosen form is instantiated (80 rows are no WGMMA M).
+template <class Element, int kBlockM, int kHdWg, bool kSwap>
+CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
+  if constexpr (kSwap) {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kHdWg>, Int<kBlockM>, _128>,
+                                               GMMA::Major::MN, GMMA::Major::MN>(),
+                          Layout<Shape<_2, _1, _1>>{});
+  } else {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHdWg>, _128>,
+                                               GMMA::Major::MN, GMMA::Major::MN>(),
+                          Layout<Shape<_1, _2, _1>>{});
+  }
+}
+
+// Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
+template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_>
+struct BwdTraitsT {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;
-  using Tile = BwdTile<kHeadDim>;
+  using Tile = Tile_;
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockMSdP = Tile::kBlockMSdP;    // query columns per S^T/dP^T sub-step
   static constexpr int kSubM = kBlockM / kBlockMSdP;     // sub-steps per step
@@ -154,7 +223,17 @@ struct BwdTraits {
 #else
   static constexpr bool kShuffleStats = true;
 #endif
-  static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 64 == 0);
+  // dQ = dS K as dQ^T = K^T dS^T (M = head dim): for a kBlockM that is no WGMMA M (80).
+  static constexpr bool kDQSwapAB = TileDQSwapAB<Tile>::value;
+  static constexpr bool kNoBand = TileNoBand<Tile>::value;
+  // Statistics shuffles with an immediate source-lane base (bwd_main.cuh, shfl_idx_seg3): frees
+  // the 8 registers of source lanes. The 80-row tile only, so the GPU-tested kernels keep their
+  // SASS; a candidate for every tile.
+  static constexpr bool kShflSegLane = kNoBand;
+  static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
+  static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 16 == 0 &&
+                (kBlockMSdP % 64 == 0 || (kBlockMSdP == kBlockM && kDQSwapAB)));
+  static_assert(!kDQSwapAB || (kDQSmem && kPasses == 1 && kDQChunks == 1), "swapped dQ: smem dQ path only");
   static_assert(!kDQSmem || (kPasses == 1 && kDQChunks == 1 && kNumMmaWG == 2), "smem dQ path: one pass, one chunk, 2 WGs");
   // Floats of one warpgroup's dQ tile (its half of the columns), in fragment order.
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
@@ -205,10 +284,12 @@ struct BwdTraits {
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
   // dQ chunk: (queries kBlockM, kHdChunk, keys 128); warpgroups split the columns.
-  using MmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHdChunk / kNumMmaWG>, _128>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+  // kDQSwapAB: (kHdChunk, queries kBlockM, keys 128), A = K^T, B = dS; warpgroups split the rows
+  // (the head dim) of dQ^T.
+  using MmadQ = decltype(make_mma_dq<Element, kBlockM, kHdChunk / kNumMmaWG, kDQSwapAB>());
+  // Shape of the dQ GEMM's C tile: (queries, columns), or (columns, queries) when swapped.
+  using DQTileShape = std::conditional_t<kDQSwapAB, Shape<Int<kHdChunk>, Int<kBlockM>>,
+                                         Shape<Int<kBlockM>, Int<kHdChunk>>>;
   // fp32 values per thread of one dQ chunk; the accumulator is stored in this fragment order.
   static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
   static_assert(kDQFrag % 4 == 0);

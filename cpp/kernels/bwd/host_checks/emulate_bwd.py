@@ -32,6 +32,16 @@ BM, BN = int(os.environ.get("BWD_BLOCK_M", "64")), int(os.environ.get("BWD_BLOCK
 # sub-steps per step, each with its own mask decision; dS of both meets in one dQ GEMM).
 SM = int(os.environ.get("BWD_SDP_M", "64"))
 assert BM % SM == 0
+# FA3_BWD_HD128_BLOCK_M_FULL=80: problems without a band and without softcap run 80-row steps
+# (one 80-column S^T/dP^T pass, dQ^T = K^T dS^T), the others BM/SM: BWD_BLOCK_M_FULL=80.
+FULL = int(os.environ.get("BWD_BLOCK_M_FULL", "0"))
+BM_DEFAULT, SM_DEFAULT = BM, SM
+
+
+def uses_full_tile(sq, sk, wl, wr, softcap):
+    """bwd_launch.cuh's bwd_uses_full_tile: no band (band_limits_work false), no softcap."""
+    reach = sq + sk
+    return FULL != 0 and not softcap and wl >= reach and wr >= reach
 LOG2E = 1.4426950408889634
 
 
@@ -84,7 +94,10 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
                     dSt_step[:, q0 - m0:q0 - m0 + SM] = sub_step(
                         qp[bi, q0:q0 + SM, h], dop[bi, q0:q0 + SM, h], lse2[bi, h, q0:q0 + SM],
                         dpsum[bi, h, q0:q0 + SM], K, V, q0, n0, dK, dV)
-                dq_acc[bi, h, m0:m0 + BM] += dSt_step.T @ K
+                if BM % 64:  # swapped dQ GEMM: dQ^T = K^T dS^T (head dim on the M side)
+                    dq_acc[bi, h, m0:m0 + BM] += (K.T @ dSt_step).T
+                else:
+                    dq_acc[bi, h, m0:m0 + BM] += dSt_step.T @ K
         keys = slice(n0, min(n0 + BN, sk))
         dk[bi, keys, hk] = (dK * scale)[: keys.stop - n0]
         dv[bi, keys, hk] = dV[: keys.stop - n0]
@@ -143,9 +156,18 @@ def check_turn_order(rng, trials=3000):
           f"nb, nb + 1, ... (no deadlock, fixed order)")
 
 
+def set_tile(bm, sm):
+    global BM, SM
+    BM, SM = bm, sm
+
+
 def main():
     rng = np.random.default_rng(0)
     check_turn_order(rng)
+    if FULL:
+        set_tile(FULL, FULL)
+        check_turn_order(rng)
+        set_tile(BM_DEFAULT, SM_DEFAULT)
     cases = [
         (2, 129, 129, 2, 2, 64, UNB, UNB, 0.0), (1, 129, 129, 2, 1, 32, UNB, 0, 0.0),
         (1, 1, 1, 2, 2, 16, UNB, UNB, 0.0), (1, 17, 300, 4, 2, 16, UNB, 0, 0.0),
@@ -153,7 +175,11 @@ def main():
         (1, 260, 300, 8, 1, 16, 200, -50, 0.0), (1, 260, 300, 2, 2, 16, -40, 100, 0.0),
         (1, 200, 200, 2, 2, 16, 3, -5, 0.0), (2, 150, 170, 4, 2, 32, UNB, UNB, 20.0),
         (1, 257, 200, 2, 2, 32, UNB, 0, 5.0), (1, 130, 257, 2, 2, 16, 64, 0, 0.0),
+        # unbanded, seqlen_q not a multiple of 80 / exactly 80 k, keys ragged: the 80-row tile
+        (1, 81, 300, 2, 2, 16, UNB, UNB, 0.0), (1, 240, 129, 4, 2, 16, UNB, UNB, 0.0),
+        (2, 161, 257, 2, 1, 16, UNB, UNB, 0.0), (1, 79, 80, 2, 2, 16, UNB, UNB, 0.0),
     ]
+    full_cases = 0
     worst = 0.0
     for b, sq, sk, hq, hkv, d, wl, wr, cap in cases:
         q = rng.standard_normal((b, sq, hq, d)) * 2
@@ -164,11 +190,17 @@ def main():
         opts = dict(left=wl, right=wr, softcap=cap, softmax_scale=scale)
         out, lse = helpers.reference_f64(q, k, v, **opts)
         ref = helpers.reference_grads_f64(q, k, v, dout, **opts)
+        full = uses_full_tile(sq, sk, wl, wr, cap)
+        full_cases += full
+        set_tile(FULL, FULL) if full else set_tile(BM_DEFAULT, SM_DEFAULT)
         got = emulate(q, k, v, out, lse, dout, wl, wr, cap, scale)
+        set_tile(BM_DEFAULT, SM_DEFAULT)
         for name, a, r in zip(("dq", "dk", "dv"), got, ref):
             err = float(np.abs(a - r).max()) / max(float(np.abs(r).max()), 1.0)
             worst = max(worst, err)
             assert np.isfinite(a).all() and err < 1e-9, (name, b, sq, sk, hq, hkv, d, wl, wr, cap, err)
+    if FULL:
+        print(f"{full_cases} of {len(cases)} cases ran the {FULL}-row tile (no band, no softcap)")
     print(f"BM={BM}, SM={SM}: {len(cases)} cases: emulated kernel algorithm matches the float64 gradients "
           f"(max err relative to max(|ref|, 1): {worst:.1e})")
 

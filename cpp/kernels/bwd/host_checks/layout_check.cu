@@ -9,9 +9,9 @@
 #include <cutlass/numeric_types.h>
 #include "bwd/bwd_main.cuh"
 using namespace cute;
-template <int HD>
+template <class Tr>
 int check() {
-  using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
+  constexpr int HD = Tr::kHeadDim;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN;
   constexpr int SM = Tr::kBlockMSdP;  // S^T/dP^T accumulator columns (one sub-step)
   typename Tr::MmaSdP mma_sdp;
@@ -40,31 +40,50 @@ int check() {
     }
     // Shuffled statistics (kShuffleStats): element i of the S^T accumulator is query column
     // 8 (i / 4) + 2 (lane % 4) + i % 2, which lane (column % 64) / 2 holds in float2 column / 64.
+    // A partial last group of 64 columns (80 rows) is read from smem, not shuffled: the kernel's
+    // test i / 32 < SM / 64 must select exactly the columns below 64 * (SM / 64).
+    // kShflSegLane: shfl with segment mask 3 reads lane (lane & 3) | (base & ~3) (PTX ISA
+    // pseudocode), base = 4 (j % 8): the same source lane.
     for (int i = 0; i < size(cS); ++i) {
       int col = get<1>(cS(i));
       int want = 8 * (i / 4) + 2 * (ct % 4) + i % 2;
       int src_lane = 4 * ((i / 4) % 8) + ct % 4, h = (i / 4) / 8;
-      if (col != want || col != h * 64 + 2 * src_lane + i % 2) ++bad;
+      int seg_lane = ((ct % 32) & 3) | ((4 * ((i / 4) % 8)) & ~3);
+      if (col != want || (i / 32 < SM / 64) != (col < 64 * (SM / 64))) ++bad;
+      if (i / 32 < SM / 64 && (col != h * 64 + 2 * src_lane + i % 2 || seg_lane != src_lane)) ++bad;
     }
-    // dQ fragment and dK/dV coordinates sanity: pairs (2k, 2k+1) adjacent columns.
+    // dQ fragment and dK/dV coordinates sanity: pairs (2k, 2k+1) adjacent columns (swapped dQ:
+    // adjacent queries of one column; warpgroup w holds the columns [64w, 64w + 64)).
     typename Tr::MmadQ mma_dq;
-    Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BM>, Int<Tr::kHdChunk>>{}));
+    Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
+    if (size(cQ) != Tr::kDQFrag) ++bad;
     for (int i = 0; i < size(cQ); i += 2)
       if (get<0>(cQ(i)) != get<0>(cQ(i + 1)) || get<1>(cQ(i)) + 1 != get<1>(cQ(i + 1)) || get<1>(cQ(i)) % 2) ++bad;
+    if (Tr::kDQSwapAB)
+      for (int i = 0; i < size(cQ); ++i)
+        if (get<0>(cQ(i)) / (Tr::kHdChunk / 2) != ct / 128) ++bad;
     Tensor cKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<BN>, Int<Tr::kHdPass>>{}));
     for (int i = 0; i < size(cKV); i += 2)
       if (get<0>(cKV(i)) != get<0>(cKV(i + 1)) || get<1>(cKV(i)) + 1 != get<1>(cKV(i + 1))) ++bad;
   }
-  // dQ fragments of all threads cover the (BM, kHdChunk) tile exactly once.
+  // dQ fragments of all threads cover the (BM, kHdChunk) tile exactly once, and the accumulator
+  // order (float4 j of thread t of warpgroup w at w * kDQWgFloats + 128 j + t; value e at + e)
+  // is a bijection onto [0, BM * kHdChunk) (what the writer's bulk reduce and the postprocess use).
   {
     typename Tr::MmadQ mma_dq;
-    static int seen[64 * 256];
-    for (int x = 0; x < BM * Tr::kHdChunk; ++x) seen[x] = 0;
+    static int seen[128 * 256], slot[128 * 256];
+    for (int x = 0; x < BM * Tr::kHdChunk; ++x) seen[x] = slot[x] = 0;
     for (int ct = 0; ct < 256; ++ct) {
-      Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<BM>, Int<Tr::kHdChunk>>{}));
-      for (int i = 0; i < size(cQ); ++i) seen[get<0>(cQ(i)) * Tr::kHdChunk + get<1>(cQ(i))]++;
+      Tensor cQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
+      for (int i = 0; i < size(cQ); ++i) {
+        int q = Tr::kDQSwapAB ? get<1>(cQ(i)) : get<0>(cQ(i)), c = Tr::kDQSwapAB ? get<0>(cQ(i)) : get<1>(cQ(i));
+        if (q >= BM || c >= Tr::kHdChunk) { ++bad; continue; }
+        seen[q * Tr::kHdChunk + c]++;
+        int pos = (ct / 128) * Tr::kDQWgFloats + (i / 4) * 512 + (ct % 128) * 4 + i % 4;
+        if (pos < BM * Tr::kHdChunk) slot[pos]++; else ++bad;
+      }
     }
-    for (int x = 0; x < BM * Tr::kHdChunk; ++x) if (seen[x] != 1) ++bad;
+    for (int x = 0; x < BM * Tr::kHdChunk; ++x) if (seen[x] != 1 || slot[x] != 1) ++bad;
   }
   // Transposed smem views: sdSt(n, m) == sdS(m, n); sQt(d, m) == sQ(m, d); sKt(d, n) == sK(n, d).
   {
@@ -87,7 +106,12 @@ int check() {
         if (dSts(n, q, 0, sub, s) != dSt(n, sub * SM + q, s)) ++bad;
     }
   }
-  printf("hd %d: %d bad\n", HD, bad);
+  printf("hd %d, %d rows%s: %d bad\n", HD, BM, Tr::kDQSwapAB ? " (swapped dQ)" : "", bad);
   return bad;
 }
-int main() { return check<64>() + check<96>() + check<128>() + check<192>() + check<256>(); }
+template <int HD> using T = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
+int main() {
+  return check<T<64>>() + check<T<96>>() + check<T<128>>() + check<T<192>>() + check<T<256>>() +
+         check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>() +
+         check<fa3::bwd::BwdTraitsHd128Full<cutlass::half_t, false>>();
+}

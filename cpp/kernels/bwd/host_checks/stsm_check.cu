@@ -8,9 +8,9 @@
 #include <cutlass/numeric_types.h>
 #include "bwd/bwd_main.cuh"
 using namespace cute;
-template <int HD>
+template <class Tr>
 int check() {
-  using Tr = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
+  constexpr int HD = Tr::kHeadDim;
   constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, SM = Tr::kBlockMSdP;
   typename Tr::MmaSdP mma_sdp;
   auto ds_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, cutlass::bfloat16_t>{}, mma_sdp);
@@ -27,9 +27,13 @@ int check() {
       auto dst = dst_all(_, _, _, 0, sub);
       if (size(src) != size(dst)) { printf("size mismatch %d %d\n", int(size(src)), int(size(dst))); return 1; }
       // Each group of 8 destination values: one key row, 8 consecutive queries starting at 8k.
+      // In the swizzled smem layout (SW32 for 80 rows) the run is 16 contiguous bytes.
+      typename Tr::SmemLayoutdSt lay;
       for (int i = 0; i < size(dst); i += 8)
-        for (int e = 1; e < 8; ++e)
+        for (int e = 1; e < 8; ++e) {
           if (get<0>(dst(i + e)) != get<0>(dst(i)) || get<1>(dst(i + e)) != get<1>(dst(i)) + e || get<1>(dst(i)) % 8) ++bad;
+          if (lay(get<0>(dst(i)), get<1>(dst(i)) + e, 0) != lay(get<0>(dst(i)), get<1>(dst(i)), 0) + e) ++bad;
+        }
       // Sub-step sub writes only its own SM columns (together: every element once, below).
       for (int i = 0; i < size(dst); ++i) {
         if (get<1>(dst(i)) / SM != sub) ++bad;
@@ -38,7 +42,11 @@ int check() {
     }
   }
   for (int x = 0; x < BN * BM; ++x) if (seen[x] != 1) ++bad;
-  printf("hd %d stsm: %d bad\n", HD, bad);
+  printf("hd %d, %d rows stsm: %d bad\n", HD, BM, bad);
   return bad;
 }
-int main() { return check<64>() + check<128>(); }
+int main() {
+  return check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 64, false>>() +
+         check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 128, false>>() +
+         check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>();
+}

@@ -1,0 +1,79 @@
+// Producer of the split-D kernel when dO has its own ring (SplitDTraits::kSepdO: 80 keys per CTA).
+// A separate function (not a mode of the shared producer load_kv_and_steps in bwd_main.cuh, which
+// the 64-key split-D kernel and bwd_main_kernel use) so that their code stays as it is. The same
+// arguments, TMA types and byte counts (BwdLoads<Tr>, bwd_traits.cuh). One elected thread issues
+// everything:
+//   K, V once (kv_full);
+//   per step: Q + LSE into the kStages ring (full/empty, released at the end of the step), then
+//   dO + D into the one-stage ring (do_full/do_empty, released once dV^T has read dO).
+// Issuing Q(i+1) before waiting for the dO slot keeps Q one step ahead; the dO wait then blocks
+// until step i's dV^T retires, which is all step i+1 needs.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+#include "bwd/bwd_main.cuh"
+#include "bwd/bwd_split_d_traits.cuh"
+
+namespace fa3 {
+namespace bwd {
+
+template <class Tr>
+CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block,
+                                         int hk, int b, int group, int m_begin, int m_end) {
+  static_assert(Tr::kSepdO && Tr::kStagesdO == 1);
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  using Loads = BwdLoads<Tr>;
+  constexpr uint32_t kBytesHalfStage = Loads::kBytesQ + Loads::kBytesRow;  // Q + LSE, or dO + D
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
+  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  auto tma_k = p.tma_k.get_slice(_0{});
+  auto tma_v = p.tma_v.get_slice(_0{});
+  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Loads::kBytesK);
+  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+
+  auto tma_q = p.tma_q.get_slice(_0{});
+  auto tma_do = p.tma_do.get_slice(_0{});
+  Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, TMA_M, TMA_K, stage)
+  Tensor tdOsdO = tma_do.partition_D(sdO);
+  int stage = 0;
+  uint32_t phase = 0, do_phase = 0;
+  #pragma unroll 1
+  for (int hi = 0; hi < group; ++hi) {
+    const int h = hk * group + hi;
+    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
+    Tensor tdOgdO = tma_do.partition_S(gdO);
+    const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
+    const float* lse = p.lse_log2 + row0;
+    const float* dpsum = p.dpsum + row0;
+    #pragma unroll 1
+    for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
+      ClusterBar::wait(&ss.empty[stage], phase ^ 1);
+      TxBar::arrive_and_expect_tx(&ss.full[stage], kBytesHalfStage);
+      copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+      SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
+      if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
+      ClusterBar::wait(&ss.do_empty, do_phase ^ 1);
+      TxBar::arrive_and_expect_tx(&ss.do_full, kBytesHalfStage);
+      copy(p.tma_do.with(ss.do_full, 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, 0));
+      SM90_BULK_COPY_G2S::copy(dpsum, &ss.do_full, ss.dpsum.data(), Loads::kBytesRow);
+      do_phase ^= 1;
+    }
+  }
+}
+
+}  // namespace bwd
+}  // namespace fa3
