@@ -46,10 +46,12 @@ struct FwdTileTable;
 #endif
 // Stages of the 128 x 128 banded tile. Short causal problems switch tiles every few blocks; with
 // 2 stages the persistent producer is at most 2 blocks ahead, so the next tile's first K/V wait
-// on this tile's tail. FA3_FWD_HD64_BANDED_STAGES=4 (16 + 4 x 2 x 16 = 144 KB) lets it run into
-// the next tile as the unbanded tile does (A/B candidate, not yet measured).
+// on this tile's tail. 4 stages (16 + 4 x 2 x 16 = 144 KB) let it run into the next tile as the
+// unbanded tile does: H200 A/B (session 5, benchmarks/results/2026-12-01-NVIDIA-H200-session5-ab.md)
+// hd64 causal 512-2k +3..+10%, hd128 (3 stages) +4..+5%, 4k-8k within noise.
+// FA3_FWD_HD64_BANDED_STAGES / FA3_FWD_HD128_BANDED_STAGES=2: the shallow rings.
 #ifndef FA3_FWD_HD64_BANDED_STAGES
-#define FA3_FWD_HD64_BANDED_STAGES 2
+#define FA3_FWD_HD64_BANDED_STAGES 4
 #endif
 // Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
 // moves every k-th exponential to the FMA pipe (measured -6..+1% at k = 8: off).
@@ -74,14 +76,14 @@ struct FwdTileTable<E, 96> {
 // smem; O 64 + S 88 + P 44 registers), with the seqlen_k-only mask. Banded problems: 128 x 128
 // (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
 // switch below (spill-free, R219; on the H200 it gained only at causal 8k and lost at short
-// causal, with or without the dynamic schedule: off). FA3_FWD_HD128_BANDED_STAGES=3 (32 + 3 x 2
-// x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (A/B candidate; fits
-// only the 128-wide block, so the 176-wide one keeps 2).
+// causal, with or without the dynamic schedule: off). The 128-wide banded tile has 3 stages (32 +
+// 3 x 2 x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (measured there);
+// the 176-wide one fits only 2.
 #ifndef FA3_FWD_HD128_BANDED_N
 #define FA3_FWD_HD128_BANDED_N 128
 #endif
 #ifndef FA3_FWD_HD128_BANDED_STAGES
-#define FA3_FWD_HD128_BANDED_STAGES 2
+#define FA3_FWD_HD128_BANDED_STAGES 3
 #endif
 template <typename E>
 struct FwdTileTable<E, 128> {
