@@ -66,9 +66,11 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   collect_logs() {
     for ((i = 0; i < shards; i++)); do echo "---- shard $i/$shards"; cat "$logs/shard_$i.log"; done >"$OUT/pytest_gpu.log"
   }
-  # Stopped from outside (an enclosing `timeout`): keep what the shards logged so far. The
-  # shards' own `timeout --foreground` stays in this process group, so the same signal ends them.
-  trap 'collect_logs; echo "pytest: stopped by a signal; partial logs in pytest_gpu.log"; exit 143' TERM INT
+  # Stopped from outside (an enclosing `timeout`, or scripts/suite_variants.sh): end the shards
+  # (each shard's `timeout` passes the signal on to its pytest) and keep what they logged so far.
+  # A plain `timeout` signals the whole process group anyway; `timeout --foreground` and a
+  # parent's `kill` reach only this script.
+  trap 'kill $(jobs -p) 2>/dev/null; wait; collect_logs; echo "pytest: stopped by a signal; partial logs in pytest_gpu.log"; exit 143' TERM INT
   for ((i = 0; i < shards; i++)); do
     gpu_env=()
     [ ${#gpus[@]} -gt 0 ] && gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]})

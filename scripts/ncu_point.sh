@@ -6,6 +6,9 @@
 # main kernels, the split-D hd256 one included) with the sections that say where the time
 # goes: speed of light, compute workload (tensor pipe), warp states (stall reasons), occupancy,
 # memory. Clocks stay as they are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
+# NCU_EXTRA: more ncu options, word-split (e.g. the stall breakdown, which the sections' headers
+# lack here: NCU_EXTRA="--print-details all" or
+# NCU_EXTRA="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio").
 set -uo pipefail
 OUT=${1:?usage: scripts/ncu_point.sh OUT_DIR [profile_point.py arguments]}
 shift
@@ -20,5 +23,5 @@ PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
     --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
     --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-    "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
+    ${NCU_EXTRA:-} "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
 exit "${PIPESTATUS[0]}"

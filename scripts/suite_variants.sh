@@ -32,6 +32,9 @@ for spec in "$@"; do  # builds one after another: each takes every core
 done
 [ $status -eq 0 ] || exit $status
 
+# Stopped (e.g. by `timeout`): end the suites too (gpu_cycle.sh then ends its shards and keeps
+# their partial logs), so none runs on beside whatever the caller does next.
+trap 'kill $(jobs -p) 2>/dev/null; wait; exit 143' TERM INT
 i=0
 for spec in "$@"; do  # suites side by side; the wheels are already in /tmp/site
   name=${spec%%=*}
