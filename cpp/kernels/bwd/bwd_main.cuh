@@ -139,6 +139,26 @@ CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() {
   return FA3_BWD_QDO_EVICT_LAST ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
 }
 
+// K and V of key block n_block (kv head hk, batch b), once per CTA, completing on kv_full; the
+// first thing each producer (load_kv_and_steps, split_d_producer_sep_do) issues.
+template <class Tr>
+CUTE_DEVICE void load_kv(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk, int b) {
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using Loads = BwdLoads<Tr>;
+  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
+  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+  auto tma_k = p.tma_k.get_slice(_0{});
+  auto tma_v = p.tma_v.get_slice(_0{});
+  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Loads::kBytesK);
+  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
+  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+}
+
 // Producer, one elected thread: K and V of key block n_block once, then for every (pass, query
 // head of kv head hk's group, query block in [m_begin, m_end)) Q and dO (TMA) and the block's
 // LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
@@ -151,22 +171,12 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
   Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  auto tma_k = p.tma_k.get_slice(_0{});
-  auto tma_v = p.tma_v.get_slice(_0{});
-  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Loads::kBytesK);
-  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+  load_kv(p, ss, n_block, hk, b);
 
   auto tma_q = p.tma_q.get_slice(_0{});
   auto tma_do = p.tma_do.get_slice(_0{});

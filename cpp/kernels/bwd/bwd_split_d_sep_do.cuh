@@ -26,22 +26,12 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
   constexpr uint32_t kBytesHalfStage = Loads::kBytesQ + Loads::kBytesRow;  // Q + LSE, or dO + D
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Tr::SmemLayoutV{});
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, kHeadDim, p.heads_kv, p.batch));
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
   Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor gK = local_tile(mK(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  Tensor gV = local_tile(mV(_, _, hk, b), Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-  auto tma_k = p.tma_k.get_slice(_0{});
-  auto tma_v = p.tma_v.get_slice(_0{});
-  TxBar::arrive_and_expect_tx(&ss.kv_full, 2 * Loads::kBytesK);
-  copy(p.tma_k.with(ss.kv_full), tma_k.partition_S(gK), tma_k.partition_D(sK));
-  copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
+  load_kv(p, ss, n_block, hk, b);
 
   auto tma_q = p.tma_q.get_slice(_0{});
   auto tma_do = p.tma_do.get_slice(_0{});
