@@ -1,14 +1,25 @@
 """Flag register hazards around in-flight WGMMAs in SASS (no GPU needed).
 
     cuobjdump -sass kernel.cubin > kernel.sass
-    python3 wgmma_inflight_check.py kernel.sass [KERNEL_NAME_REGEX]
+    python3 wgmma_inflight_check.py kernel.sass [KERNEL_NAME_REGEX] [--trace LO HI]
 
 A WGMMA (HGMMA in SASS) reads its register A operand and reads/writes its accumulator
-asynchronously until a `WARPGROUP.DEPBAR.LE gsb0, k` retires its commit group. Source code
-keeps these registers untouched only by convention (and the compiler's goodwill); this scan
-reports any instruction that, while a group is in flight, writes an A-operand register or reads
-or writes an accumulator register. Straight-line scan in address order: a hazard across a loop
-back-edge is not seen. Exit status 1 if anything is found.
+asynchronously until a `WARPGROUP.DEPBAR.LE gsb0, k` retires its commit group (the HGMMA that
+carries `gsb0` closes a group; the wait keeps the newest k groups in flight). Source code keeps
+these registers untouched only by convention (and the compiler's goodwill); this check reports
+any instruction that, while a group may be in flight, writes an A-operand register or reads or
+writes an accumulator register, and any EXIT reached with a group in flight.
+
+It follows the control flow: the in-flight groups are propagated along every branch edge of
+the function (fall-through, branch targets, loop back-edges) to a fixed point, as the set of
+possible in-flight stacks per instruction (a may-analysis over all paths: a hazard on any path
+is reported). So a group left in flight at a loop back-edge is seen at the loop head, and code
+that only other paths reach (e.g. the producer warpgroup's code laid out after the consumers'
+loop, or out-of-line barrier retry blocks) is checked with the state of the paths that really
+reach it. Not modelled: predicate correlation between branches (an infeasible path can only add
+reports, never hide one) and indirect branches / calls (reported as an error).
+Exit status 1 if anything is found. `--trace LO HI` prints the possible in-flight groups
+(named by their first HGMMA's address) at each instruction in [LO, HI].
 """
 
 from __future__ import annotations
@@ -18,70 +29,198 @@ import sys
 
 import sass
 
-_REG = re.compile(r"-?\|?R(\d+)\|?(?:\.\w+)*")
-_NO_DEST = ("ST", "RED", "ATOM", "SYNCS", "BAR", "BRA", "SHFL", "EXIT", "RET", "CALL")
+# A general register (not UR, SR_, RZ), optionally negated / absolute, with suffixes.
+_REG = re.compile(r"(?<![\w.])-?\|?R(\d+)((?:\.\w+)*)\|?")
+_GUARD = re.compile(r"^@(!?)(U?P\w+)\s+")
+_NO_DEST = ("ST", "RED", "SYNCS", "BAR", "BRA", "EXIT", "RET", "CALL", "WARPSYNC", "NOP", "YIELD",
+            "NANOSLEEP", "FENCE", "MEMBAR", "BSSY", "BSYNC", "UTMA", "CCTL", "ERRBAR", "DEPBAR")
+_PRED_FIRST = ("SHFL", "ATOM", "ATOMG", "ATOMS")  # `SHFL.BFLY PT, R6, ...`: the R is the dest
+_MAX_DEPTH = 16  # in-flight groups on one path: more means an unbounded chain (reported)
 
 
-def _reg(token: str):
-    m = _REG.fullmatch(token.strip().strip("[]").split()[0]) if token.strip() else None
-    return int(m.group(1)) if m else None
+def _split(rest: str) -> list[str]:
+    """Operands, split at commas outside brackets."""
+    out, depth, cur = [], 0, ""
+    for ch in rest:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
 
 
-def _width(op: str) -> int:
-    """Registers written by a destination operand (vector loads/moves)."""
-    if ".128" in op:
-        return 4
-    return 2 if ".64" in op else 1
+def _regs(operand: str, width: int = 1) -> set[int]:
+    """Registers an operand names: `R2.64` (64-bit address) is R2 and R3; a plain register
+    operand of a 64/128-bit instruction is `width` registers."""
+    regs = set()
+    for m in _REG.finditer(operand):
+        r, suffix = int(m.group(1)), m.group(2)
+        w = 2 if ".64" in suffix else (width if "[" not in operand else 1)
+        regs.update(range(r, r + w))
+    return regs
 
 
-def check_function(name: str, instructions) -> int:
-    in_flight, group, issues = [], None, 0  # committed groups (oldest first), open group
-    for addr, text in instructions:
-        text = re.sub(r"^@!?U?P\w+\s+", "", text)  # drop the predicate guard
-        op, _, rest = text.partition(" ")
-        operands = rest.split(",")
-        if op.startswith("HGMMA"):
-            acc, a = _reg(operands[0]), _reg(operands[1])
-            group = group or {"A": set(), "C": set()}
-            if a is not None:
-                group["A"].update(range(a, a + 4))  # a 64xNx16 A fragment: 4 registers
-            n = int(re.search(r"64x(\d+)x", op).group(1))
-            group["C"].update(range(acc, acc + n // 2))  # N/2 fp32 accumulators per thread
-            if "gsb0" in text:
-                in_flight.append(group)
-                group = None
-            continue
-        if op.startswith("WARPGROUP.DEPBAR"):
-            keep = int(operands[-1].strip(), 16)
-            in_flight = in_flight[len(in_flight) - keep:] if keep else []
-            continue
-        if op.startswith("WARPGROUP") or not in_flight:
-            continue
-        live_a = set().union(*(g["A"] for g in in_flight))
-        live_c = set().union(*(g["C"] for g in in_flight))
-        sources = operands if op.startswith(_NO_DEST) else operands[1:]
-        if not op.startswith(_NO_DEST) and operands and operands[0].strip():
-            dest = _reg(operands[0])
+class Instr:
+    def __init__(self, addr: int, text: str):
+        self.addr, self.text = addr, text
+        g = _GUARD.match(text)
+        self.guarded = bool(g) and not (g.group(1) == "" and g.group(2) in ("PT", "UPT"))
+        body = text[g.end():] if g else text
+        self.op, _, rest = body.partition(" ")
+        self.operands = _split(rest)
+        base = self.op.split(".")[0]
+        self.hgmma = self.op.startswith(("HGMMA", "QGMMA", "IGMMA", "BGMMA"))
+        self.depbar = self.op.startswith("WARPGROUP.DEPBAR")
+        self.branch = base in ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT")
+        width = 4 if ".128" in self.op else (2 if ".64" in self.op else 1)
+        # Registers written (as a set) and all registers touched.
+        self.written: set[int] = set()
+        self.touched: set[int] = set()
+        for i, o in enumerate(self.operands):
+            self.touched |= _regs(o, width)
+        if self.hgmma:
+            acc = _regs(self.operands[0])
+            n = int(re.search(r"x(\d+)x", self.op).group(1))
+            first = min(acc)
+            per_reg = 4 if re.search(r"x\d+\.F16", self.op) else 2  # f16 accumulators: 2 per register
+            self.acc = set(range(first, first + n * 2 // per_reg // 2))  # 64 x N per 128 threads
+            a = _regs(self.operands[1]) if self.operands[1].startswith("R") else set()
+            self.a = set(range(min(a), min(a) + 4)) if a else set()  # 64xNxK A fragment: 4 regs
+            self.commits = "gsb0" in text
+            self.touched = self.acc | self.a
+            self.written = set(self.acc)
+        elif self.depbar:
+            self.keep = int(self.operands[-1], 16)
+        elif not self.op.startswith(_NO_DEST) and not self.op.startswith("U"):
+            dest = None
+            if base in _PRED_FIRST and len(self.operands) > 1:
+                dest = self.operands[1]
+            elif self.operands and re.fullmatch(r"R\d+(\.\w+)*", self.operands[0]):
+                dest = self.operands[0]
             if dest is not None:
-                written = set(range(dest, dest + _width(op)))
-                if written & live_a:
-                    print(f"{name[:60]} {addr:#06x}: writes an A operand in flight: {text}")
-                    issues += 1
-                if written & live_c:
-                    print(f"{name[:60]} {addr:#06x}: writes an accumulator in flight: {text}")
-                    issues += 1
-        if any(_reg(s) in live_c for s in sources if _reg(s) is not None):
-            print(f"{name[:60]} {addr:#06x}: reads an accumulator in flight: {text}")
-            issues += 1
-    return issues
+                dw = 2 if base == "CS2R" and ".32" not in self.op else width
+                if self.op.startswith("IMAD.WIDE"):
+                    dw = 2
+                    self.touched |= _regs(self.operands[-1], 2)  # the 64-bit addend
+                r = min(_regs(dest)) if _regs(dest) else None
+                if r is not None:
+                    self.written = set(range(r, r + dw))
+                    self.touched |= self.written
+
+    def targets(self) -> list[int]:
+        m = re.search(r"0x([0-9a-f]+)\s*$", self.text)
+        return [int(m.group(1), 16)] if m and self.op.split(".")[0] == "BRA" else []
+
+    def falls_through(self) -> bool:
+        base = self.op.split(".")[0]
+        if base in ("EXIT", "RET") or (base == "BRA" and len(self.operands) == 1):
+            return self.guarded  # unconditional BRA / EXIT / RET end the block
+        return True
+
+
+def analyse(instructions, trace=None):
+    """Returns ({addr: [message, ...]}, per-instruction states). A state is (committed groups,
+    oldest first, each a tuple of HGMMA addresses; the open group's HGMMA addresses)."""
+    ins = [Instr(a, t) for a, t in instructions]
+    index = {x.addr: i for i, x in enumerate(ins)}
+    succ = []
+    for i, x in enumerate(ins):
+        base = x.op.split(".")[0]
+        if base in ("BRX", "JMX", "JMP", "CALL") or (base == "RET" and x.guarded):
+            raise ValueError(f"{x.addr:#06x}: control flow not modelled: {x.text}")
+        s = [index[t] for t in x.targets()]
+        if x.falls_through() and i + 1 < len(ins):
+            s.append(i + 1)
+        succ.append(s)
+    by_addr = {x.addr: x for x in ins}
+
+    def transfer(x: Instr, state):
+        stack, open_ = state
+        if x.hgmma:
+            open_ = open_ + (x.addr,)
+            if x.commits:
+                stack, open_ = stack + (open_,), ()
+            out = {(stack, open_)}
+        elif x.depbar:
+            out = {(stack[len(stack) - x.keep:] if x.keep else (), open_)}
+        else:
+            return {state}
+        if len(stack) > _MAX_DEPTH:
+            raise ValueError(f"{x.addr:#06x}: more than {_MAX_DEPTH} WGMMA groups in flight")
+        return out | ({state} if x.guarded else set())
+
+    states = [set() for _ in ins]
+    states[0].add(((), ()))
+    work = [0]
+    while work:
+        i = work.pop()
+        out = set()
+        for st in states[i]:
+            out |= transfer(ins[i], st)
+        for j in succ[i]:
+            if not out <= states[j]:
+                states[j] |= out
+                work.append(j)
+
+    issues: dict[int, list[str]] = {}
+    for i, x in enumerate(ins):
+        for stack, open_ in states[i]:
+            groups = list(stack) + ([open_] if open_ else [])
+            if not groups:
+                continue
+            # An HGMMA chained onto an in-flight accumulator is ordered by the hardware; its
+            # A operand or accumulator overlapping another group's registers is not.
+            for g in groups:
+                acc = set().union(*(by_addr[a].acc for a in g))
+                a_regs = set().union(*(by_addr[a].a for a in g))
+                name = f"group@{g[0]:#06x}"
+                if x.hgmma:
+                    if x.acc == acc or x.addr in g:
+                        continue
+                    bad = (x.written & a_regs) | (x.a & acc) | (x.acc & acc)
+                    if bad:
+                        issues.setdefault(x.addr, []).append(f"HGMMA overlaps {name} in flight (R{min(bad)})")
+                    continue
+                if x.written & a_regs:
+                    issues.setdefault(x.addr, []).append(f"writes A operand R{min(x.written & a_regs)} of {name} in flight")
+                if x.touched & acc:
+                    issues.setdefault(x.addr, []).append(f"touches accumulator R{min(x.touched & acc)} of {name} in flight")
+            if x.op.split(".")[0] == "EXIT":
+                issues.setdefault(x.addr, []).append(f"exits with {len(groups)} group(s) in flight")
+    if trace:
+        lo, hi = trace
+        for i, x in enumerate(ins):
+            if lo <= x.addr <= hi:
+                gs = sorted({"+".join(f"{g[0]:#x}" for g in s) + ("|open" if o else "") or "-" for s, o in states[i]})
+                print(f"{x.addr:#06x} {'/'.join(gs) if states[i] else 'unreached':24s} {x.text[:90]}")
+    return {a: sorted(set(m)) for a, m in issues.items()}, states
+
+
+def check_function(name: str, instructions, trace=None) -> int:
+    issues, _ = analyse(instructions, trace)
+    texts = dict(instructions)
+    for addr in sorted(issues):
+        for msg in issues[addr]:
+            print(f"{name[:60]} {addr:#06x}: {msg}: {texts[addr]}")
+    return sum(len(m) for m in issues.values())
 
 
 def main(argv) -> int:
+    trace = None
+    if "--trace" in argv:
+        k = argv.index("--trace")
+        trace = (int(argv[k + 1], 16), int(argv[k + 2], 16))
+        argv = argv[:k] + argv[k + 3:]
     pattern = argv[2] if len(argv) > 2 else "."
     total = 0
     for name, instructions in sass.functions(argv[1]).items():
-        if re.search(pattern, name) and any(t.startswith("HGMMA") for _, t in instructions):
-            issues = check_function(name, instructions)
+        if re.search(pattern, name) and any(t.startswith("HGMMA") or "GMMA" in t.split(" ")[0] for _, t in instructions):
+            issues = check_function(name, instructions, trace)
             print(f"{name[:100]}: {issues} issue(s)")
             total += issues
     return 1 if total else 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-check forward instantiations for sm_90a (no GPU) and summarise, per kernel, registers,
 # spills, ptxas performance notes (C75xx: serialised WGMMA, injected waits) and, when cuobjdump
-# is found, HGMMA / local-memory (LDL/STL) counts and the highest register of the SASS.
+# is found, HGMMA / local-memory (LDL/STL) counts, the highest register of the SASS and the WGMMA
+# in-flight register check.
 #   compile_fwd.sh 'fa3::FwdTraits<cutlass::bfloat16_t, 128, 128, 176, 2, true, false>' [out.cubin]
 #   compile_fwd.sh 128 [out.cubin] [cutlass::half_t]     # the tile table of head dim 128
 # CUTLASS_INC (default: the nvidia-cutlass wheel in /work/venv), CUOBJDUMP (optional),
@@ -29,5 +30,8 @@ cuobj=${CUOBJDUMP:-$(command -v cuobjdump || echo /tmp/cuobj/nvidia/cu13/bin/cuo
 if [ -x "$cuobj" ]; then
   "$cuobj" -sass "$out" > "$out.sass"
   python3 "$here/sass_summary.py" "$out.sass"
+  # WGMMA register hazards along every control-flow path (host_checks/wgmma_inflight_check.py).
+  python3 "$here/../../host_checks/wgmma_inflight_check.py" "$out.sass" 2>&1 | tail -n 40 |
+    sed -E 's/_ZN3fa310fwd_kernelINS_9FwdTraitsIN7cutlass[0-9]+([a-z0-9_]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)ELi([0-9]+)[A-Za-z0-9_]*/in-flight check fwd<\1, d=\2, \3x\4, stages=\5>/' || true
   echo "sass: $out.sass"
 fi
