@@ -6,7 +6,8 @@
 #   scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
 #   e.g. AB_DIRECTION=bwd PYTEST_ARGS_lpt="-m gpu tests/test_bwd_gpu.py" \
 #        scripts/suite_variants.sh $OUT base= lpt="FA3_BWD_LPT=1"
-# DEFINES go to FA3_FWD_DEFINES or, with AB_DIRECTION=bwd, FA3_BWD_DEFINES; PYTEST_ARGS_NAME
+# DEFINES go to their direction by prefix (FA3_FWD_*, FA3_BWD_*; others by AB_DIRECTION, see
+# scripts/build_variant.sh); PYTEST_ARGS_NAME
 # narrows one variant's tests (default PYTEST_ARGS, else "-m gpu tests"). OUT_DIR/NAME gets that
 # variant's build.log, info.txt and pytest_gpu.log; the exit status is 0 only if every build and
 # every suite passed.
