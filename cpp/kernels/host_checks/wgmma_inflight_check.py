@@ -173,16 +173,21 @@ def analyse(instructions, trace=None):
             groups = list(stack) + ([open_] if open_ else [])
             if not groups:
                 continue
-            # An HGMMA chained onto an in-flight accumulator is ordered by the hardware; its
-            # A operand or accumulator overlapping another group's registers is not.
+            # An HGMMA chained onto an in-flight HGMMA's accumulator (the very same registers)
+            # is ordered by the hardware, also when the group holds other accumulators too; its
+            # A operand or accumulator overlapping another in-flight HGMMA's registers is not.
             for g in groups:
                 acc = set().union(*(by_addr[a].acc for a in g))
                 a_regs = set().union(*(by_addr[a].a for a in g))
                 name = f"group@{g[0]:#06x}"
                 if x.hgmma:
-                    if x.acc == acc or x.addr in g:
+                    if x.addr in g:
                         continue
-                    bad = (x.written & a_regs) | (x.a & acc) | (x.acc & acc)
+                    bad = set()
+                    for m in (by_addr[a] for a in g):
+                        bad |= (x.written & m.a) | (x.a & m.acc)
+                        if x.acc != m.acc:
+                            bad |= x.acc & m.acc
                     if bad:
                         issues.setdefault(x.addr, []).append(f"HGMMA overlaps {name} in flight (R{min(bad)})")
                     continue

@@ -25,5 +25,7 @@ if [ -x "$cuobj" ]; then
   # Per kernel: HGMMA, WGMMA waits (WARPGROUP.DEPBAR), local-memory instructions.
   awk '/Function :/{f=$3; n[f]=1} /HGMMA/{h[f]++} /WARPGROUP.DEPBAR/{d[f]++} /[^A-Z](LDL|STL)[. ]/{l[f]++}
        END{for(k in n) printf "%s\n    HGMMA=%d DEPBAR=%d LDL/STL=%d\n", substr(k,1,160), h[k], d[k], l[k]}' "$out.sass"
+  # WGMMA register hazards along every control-flow path (host_checks/wgmma_inflight_check.py).
+  python3 "$here/../../host_checks/wgmma_inflight_check.py" "$out.sass" 2>&1 | tail -n 40 | cut -c1-200 || true
   echo "sass: $out.sass"
 fi
