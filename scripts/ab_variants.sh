@@ -40,7 +40,7 @@ run_all() {
   fi
   for spec in "$@"; do
     name=${spec%%=*}
-    echo "== variant $name: ${AB_DIRECTION:-fwd} defines '${spec#*=}'"
+    echo "== variant $name: defines '${spec#*=}'"
     if [ "${AB_PIPELINE:-0}" = 1 ]; then
       while [ ! -f "/tmp/ab_$name.rc" ]; do sleep 2; done
     elif [ ! -f "/tmp/ab_$name.rc" ]; then

@@ -22,7 +22,7 @@ status=0
 
 for spec in "$@"; do  # builds one after another: each takes every core
   name=${spec%%=*}
-  echo "== build $name: ${AB_DIRECTION:-fwd} defines '${spec#*=}'"
+  echo "== build $name: defines '${spec#*=}'"
   scripts/build_variant.sh "$name" "${spec#*=}"
   rc=$?
   mkdir -p "$OUT/$name"

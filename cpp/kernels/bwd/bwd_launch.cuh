@@ -93,17 +93,30 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
   return cudaGetLastError();
 }
 
-}  // namespace bwd
+// A traits class passed as a value (with_bwd_traits' callback arguments).
+template <class T>
+struct TraitsTag {
+  using type = T;
+};
 
-namespace bwd {
-
-// FA3_BWD_HD128_BLOCK_M_FULL=80: hd128 problems without a band and without softcap run 80-row
-// steps (BwdTraitsHd128Full; FA3 does the same), the others the tile table's 64-row kernel.
-// Pre/postprocess, workspace layout and main kernel of one call all use the chosen traits.
-template <typename Element, int kHeadDim>
-bool bwd_uses_full_tile(const BwdParams& p) {
-  return FA3_BWD_HD128_BLOCK_M_FULL != 0 && kHeadDim == 128 && !(p.opts.softcap > 0.f) &&
-         !band_limits_work(p.shape, p.opts);
+// The one choice of traits for a backward call, so that its workspace size, workspace layout,
+// pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
+// what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256 under
+// FA3_BWD_HD256_SPLIT_D), except that with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems
+// without a band and without softcap run 80-row steps (BwdTraitsHd128Full; FA3 does the same;
+// its TrCap is never launched: softcap calls keep the 64-row kernel).
+template <typename Element, int kHeadDim, class F>
+auto with_bwd_traits(const BwdParams& p, F&& f) {
+#if FA3_BWD_HD128_BLOCK_M_FULL
+  if constexpr (kHeadDim == 128) {
+    if (!(p.opts.softcap > 0.f) && !band_limits_work(p.shape, p.opts)) {
+      using Full = BwdTraitsHd128Full<Element, false>;
+      return f(TraitsTag<Full>{}, TraitsTag<Full>{});
+    }
+  }
+#endif
+  return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},
+           TraitsTag<BwdTraitsFor<Element, kHeadDim, true>>{});
 }
 
 template <class Tr, class TrCap>
@@ -141,31 +154,18 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 size_t bwd_workspace_bytes_impl(const BwdParams& p) {
-#if FA3_BWD_HD128_BLOCK_M_FULL
-  if constexpr (kHeadDim == 128) {
-    if (bwd::bwd_uses_full_tile<Element, kHeadDim>(p))
-      return bwd::workspace_layout<bwd::BwdTraitsHd128Full<Element, false>>(p).total;
-  }
-#endif
-  return bwd::workspace_layout<bwd::BwdTraitsFor<Element, kHeadDim, false>>(p).total;
+  return bwd::with_bwd_traits<Element, kHeadDim>(p, [&](auto tr, auto) {
+    return bwd::workspace_layout<typename decltype(tr)::type>(p).total;
+  });
 }
 
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
-  // BwdTraitsFor: the split-D variant for hd256 under FA3_BWD_HD256_SPLIT_D=1, else BwdTraits.
-  using Tr = bwd::BwdTraitsFor<Element, kHeadDim, false>;
-  using TrCap = bwd::BwdTraitsFor<Element, kHeadDim, true>;
   if (p.shape.head_dim != kHeadDim) return cudaErrorInvalidValue;
   if (p.workspace == nullptr) return cudaErrorInvalidValue;
-#if FA3_BWD_HD128_BLOCK_M_FULL
-  if constexpr (kHeadDim == 128) {
-    // No softcap here, so the second traits are never launched (the softcap kernel stays 64 rows).
-    if (bwd::bwd_uses_full_tile<Element, kHeadDim>(p))
-      return bwd::run_bwd_with<bwd::BwdTraitsHd128Full<Element, false>,
-                               bwd::BwdTraitsHd128Full<Element, false>>(p, stream);
-  }
-#endif
-  return bwd::run_bwd_with<Tr, TrCap>(p, stream);
+  return bwd::with_bwd_traits<Element, kHeadDim>(p, [&](auto tr, auto tr_cap) {
+    return bwd::run_bwd_with<typename decltype(tr)::type, typename decltype(tr_cap)::type>(p, stream);
+  });
 }
 
 }  // namespace fa3

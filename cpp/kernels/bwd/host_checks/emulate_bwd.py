@@ -39,7 +39,7 @@ BM_DEFAULT, SM_DEFAULT = BM, SM
 
 
 def uses_full_tile(sq, sk, wl, wr, softcap):
-    """bwd_launch.cuh's bwd_uses_full_tile: no band (band_limits_work false), no softcap."""
+    """bwd_launch.cuh's with_bwd_traits (the 80-row choice): no band (band_limits_work false), no softcap."""
     reach = sq + sk
     return FULL != 0 and not softcap and wl >= reach and wr >= reach
 LOG2E = 1.4426950408889634
