@@ -5,7 +5,8 @@
 # DEFINES (NAME=VALUE;...): the FA3_FWD_* ones go to FA3_FWD_DEFINES, the FA3_BWD_* ones to
 # FA3_BWD_DEFINES (so one variant may set both), others by AB_DIRECTION (fwd, or bwd); a
 # direction with none keeps the caller's FA3_*_DEFINES. The build set is
-# FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh. The cycle's output
+# FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh; the same knob with
+# _NAME appended (e.g. FA3_HEAD_DIMS_h64="64", FA3_DIRECTIONS_xt=fwd) narrows one variant. The cycle's output
 # folder is /tmp/ab_NAME (build.log, info.txt), its log /tmp/ab_NAME.log, and the exit status
 # also goes to /tmp/ab_NAME.rc (what ab_variants.sh AB_REUSE=1 reads).
 set -uo pipefail
@@ -24,6 +25,10 @@ for d in "${defines[@]}"; do
 done
 joined() { local IFS=';'; echo "$*"; }
 fwd_defs=$(joined "${fwd[@]}") bwd_defs=$(joined "${bwd[@]}")
+for knob in FA3_HEAD_DIMS FA3_DTYPES FA3_DIRECTIONS; do
+  own=${knob}_$name
+  [ -z "${!own:-}" ] || export "$knob=${!own}"
+done
 env FA3_FWD_DEFINES="${fwd_defs:-${FA3_FWD_DEFINES:-}}" FA3_BWD_DEFINES="${bwd_defs:-${FA3_BWD_DEFINES:-}}" \
   INSTALL_TARGET="/tmp/variant_$name" SKIP_TESTS=1 SKIP_BENCH=1 \
   scripts/gpu_cycle.sh "/tmp/ab_$name" >"/tmp/ab_$name.log" 2>&1

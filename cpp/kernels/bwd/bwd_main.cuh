@@ -445,14 +445,32 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
           // once and retired by the next sub-step's first wait; the last one's follows the dQ
           // GEMM (and with kOverlapDK stays in flight into the next step). The dS barrier, the
           // dQ GEMM and its hand-off come once per step.
+          // kSdPAhead (FA3_BWD_SDP_AHEAD, kSubM > 1): every sub-step's S^T and dP^T are issued here,
+          // before the first exponential, so that the tensor cores run dP^T(0), S^T(1), dP^T(1) under
+          // sub-step 0's exp2/dS math and dV(0), dK(0) under sub-step 1's (instead of dP^T alone).
+          // Costs 64 accumulator registers per extra sub-step; the waits below then leave the
+          // 2 (kSubM - 1) younger groups in flight (kAhead).
+          constexpr int kAhead = Tr::kSdPAhead ? 2 * (Tr::kSubM - 1) : 0;
+          using FragSdP = decltype(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
+          FragSdP tSrS_sub[Tr::kSdPAhead ? Tr::kSubM : 1], tdPrdP_sub[Tr::kSdPAhead ? Tr::kSubM : 1];
+          if constexpr (Tr::kSdPAhead) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int sub = 0; sub < Tr::kSubM; ++sub) {
+              wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS_sub[sub]);
+              wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP_sub[sub]);
+            }
+          }
           CUTLASS_PRAGMA_UNROLL
           for (int sub = 0; sub < Tr::kSubM; ++sub) {
             const bool last = sub == Tr::kSubM - 1;
             const int q0 = m0 + sub * kBlockMSdP;  // first query row of the sub-step
-            Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{});
-            Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{});
-            wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
-            wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
+            FragSdP tSrS_own, tdPrdP_own;  // without kSdPAhead: this sub-step's own accumulators
+            FragSdP& tSrS = Tr::kSdPAhead ? tSrS_sub[Tr::kSdPAhead ? sub : 0] : tSrS_own;
+            FragSdP& tdPrdP = Tr::kSdPAhead ? tdPrdP_sub[Tr::kSdPAhead ? sub : 0] : tdPrdP_own;
+            if constexpr (!Tr::kSdPAhead) {
+              wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
+              wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
+            }
             // P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T o (dP^T - D) (o tanh' with
             // softcap); rows = keys, columns = queries.
             const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
@@ -511,8 +529,9 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             if constexpr (Tr::kOverlapP && !Tr::kSoftcap) {
               // Groups in flight: [dK of the previous step | dV, dK of the previous sub-step,]
               // S^T, dP^T. Waiting down to one completes all but dP^T; P is computed while dP^T
-              // runs.
-              warpgroup_wait<1>();
+              // runs (kAhead: the later sub-steps' S^T/dP^T, or this step's dV/dK of the previous
+              // sub-step, stay in flight too).
+              warpgroup_wait<1 + kAhead>();
               warpgroup_fence_operand(tSrS);
               if (sub == 0 && pending) {
                 warpgroup_fence_operand(tdKrdK);
@@ -521,14 +540,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
               CUTLASS_PRAGMA_UNROLL
               for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - stat(lse, lse_r, i));
               apply_mask();
-              warpgroup_wait<0>();
+              warpgroup_wait<0 + kAhead>();
               warpgroup_fence_operand(tdPrdP);
               CUTLASS_PRAGMA_UNROLL
               for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - stat(dpsum, dpsum_r, i));
             } else {
               // Softcap needs tanh' next to dP^T: P and dS^T in one pass after both GEMMs (v1),
               // which keeps only S^T and dP^T live next to dK/dV.
-              warpgroup_wait<0>();
+              warpgroup_wait<0 + kAhead>();
               warpgroup_fence_operand(tSrS);
               warpgroup_fence_operand(tdPrdP);
               if (sub == 0 && pending) {

@@ -91,7 +91,22 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_HD128_STAGES
 #define FA3_BWD_HD128_STAGES 2
 #endif
+// dQ GEMM split by query rows across the two warpgroups (FA3's hd64 AtomLayoutMdQ = 2): each
+// warpgroup computes its 64 query rows x all 64 columns (m64n64k16 x 8, A = its half of dS, B = all
+// of K^T) instead of all 128 rows x its 32 columns (m64n32k16 x 16). Same MAC, 2/3 of the shared-
+// memory operand bytes (64 instead of 96 KB per step: m64n32 SS reads 192 B/clk, twice the tensor
+// time's worth at 128 B/clk), half the HGMMAs. K takes the SW128 atom (each warpgroup reads all 64
+// columns). The dQ accumulator stays in each tile's fragment order (bwd_postprocess inverts it with
+// the same MmadQ). 128-row steps only. Default 0 (not GPU-tested; bwd NOTES.md, "hd64: where the
+// time goes").
+#ifndef FA3_BWD_HD64_DQ_SPLIT_M
+#define FA3_BWD_HD64_DQ_SPLIT_M 0
+#endif
+#if FA3_BWD_HD64_DQ_SPLIT_M
+template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; static constexpr bool kDQSplitM = true; };
+#else
 template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
+#endif
 // 96: dK+dV 96 regs; smem 24+24 + 48 + 16 + 24 (dQ) KB.
 template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD96_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
@@ -139,6 +154,8 @@ struct BwdTileHd128Full {
 // tile only for problems without a band (bwd_launch.cuh), so the element mask is the key bound.
 template <class T, class = void> struct TileDQSwapAB : std::false_type {};
 template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
+template <class T, class = void> struct TileDQSplitM : std::false_type {};
+template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
 template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
 
@@ -170,10 +187,17 @@ CUTE_HOST_DEVICE constexpr auto mnmajor_atom() {
 
 // dQ tiling (bwd_traits below): (queries kBlockM, kHdWg per warpgroup, keys 128), warpgroups
 // side by side along N; swapped: (kHdWg per warpgroup, queries kBlockM, keys 128), warpgroups
-// along M. A function, so that only the chosen form is instantiated (80 rows are no WGMMA M).
-template <class Element, int kBlockM, int kHdWg, bool kSwap>
+// along M; split by rows (kSplitM): (kBlockM / 2 queries per warpgroup, kHdWg * 2 = all columns,
+// keys 128), warpgroups along M. A function, so that only the chosen form is instantiated (80 rows
+// are no WGMMA M).
+template <class Element, int kBlockM, int kHdWg, bool kSwap, bool kSplitM = false>
 CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
-  if constexpr (kSwap) {
+  if constexpr (kSplitM) {
+    static_assert(!kSwap && kBlockM % 128 == 0, "dQ split by rows: 64-row multiples per warpgroup");
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM / 2>, Int<2 * kHdWg>, _128>,
+                                               GMMA::Major::MN, GMMA::Major::MN>(),
+                          Layout<Shape<_2, _1, _1>>{});
+  } else if constexpr (kSwap) {
     return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kHdWg>, Int<kBlockM>, _128>,
                                                GMMA::Major::MN, GMMA::Major::MN>(),
                           Layout<Shape<_2, _1, _1>>{});
@@ -225,7 +249,17 @@ struct BwdTraitsT {
 #endif
   // dQ = dS K as dQ^T = K^T dS^T (M = head dim): for a kBlockM that is no WGMMA M (80).
   static constexpr bool kDQSwapAB = TileDQSwapAB<Tile>::value;
+  // dQ = dS K split by query rows across the warpgroups (FA3_BWD_HD64_DQ_SPLIT_M), not by columns.
+  static constexpr bool kDQSplitM = TileDQSplitM<Tile>::value;
   static constexpr bool kNoBand = TileNoBand<Tile>::value;
+  // Issue every sub-step's S^T/dP^T at the top of the step (FA3_BWD_SDP_AHEAD=1; kSubM > 1 only,
+  // i.e. hd64 at 128 rows; not with softcap, which then spills 8 B): see bwd_main.cuh. Default 0
+  // (not GPU-tested).
+#ifdef FA3_BWD_SDP_AHEAD
+  static constexpr bool kSdPAhead = FA3_BWD_SDP_AHEAD && kSubM > 1 && !kSoftcap;
+#else
+  static constexpr bool kSdPAhead = false;
+#endif
   // Statistics shuffles with an immediate source-lane base (bwd_main.cuh, shfl_idx_seg3): frees
   // the 8 registers of source lanes. The 80-row tile only, so the GPU-tested kernels keep their
   // SASS; a candidate for every tile.
@@ -258,7 +292,8 @@ struct BwdTraitsT {
                                  Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
   // K: A operand of S^T (K-major) and B of dQ through the transposed view, sliced per warpgroup
   // and chunk: the atom must divide kHdChunk / 2.
-  using AtomK = decltype(kmajor_atom<Element, kHdChunk / kNumMmaWG>());
+  // (kDQSplitM: every warpgroup reads all kHdChunk columns.)
+  using AtomK = decltype(kmajor_atom<Element, kDQSplitM ? kHdChunk : kHdChunk / kNumMmaWG>());
   using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
@@ -286,7 +321,7 @@ struct BwdTraitsT {
   // dQ chunk: (queries kBlockM, kHdChunk, keys 128); warpgroups split the columns.
   // kDQSwapAB: (kHdChunk, queries kBlockM, keys 128), A = K^T, B = dS; warpgroups split the rows
   // (the head dim) of dQ^T.
-  using MmadQ = decltype(make_mma_dq<Element, kBlockM, kHdChunk / kNumMmaWG, kDQSwapAB>());
+  using MmadQ = decltype(make_mma_dq<Element, kBlockM, kHdChunk / kNumMmaWG, kDQSwapAB, kDQSplitM>());
   // Shape of the dQ GEMM's C tile: (queries, columns), or (columns, queries) when swapped.
   using DQTileShape = std::conditional_t<kDQSwapAB, Shape<Int<kHdChunk>, Int<kBlockM>>,
                                          Shape<Int<kBlockM>, Int<kHdChunk>>>;
@@ -318,6 +353,11 @@ struct BwdTraitsT {
 // What the producer warp loads (bwd_main.cuh, load_kv_and_steps) for a traits class Tr, either
 // BwdTraits or SplitDTraits: the TMA copy types over the global tensors as TMA sees them,
 // (seqlen, head_dim, heads, batch), and the transaction bytes of K + V and of one Q/dO/LSE/D stage.
+// CTAs per thread-block cluster of a traits class: its kCluster, 1 where it has none.
+template <class Tr, class = void> struct ClusterOf : std::integral_constant<int, 1> {};
+template <class Tr> struct ClusterOf<Tr, std::void_t<decltype(Tr::kCluster)>>
+    : std::integral_constant<int, Tr::kCluster> {};
+
 template <class Tr>
 struct BwdLoads {
   using Element = typename Tr::Element;
@@ -327,7 +367,18 @@ struct BwdLoads {
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
                   Stride<int64_t, _1, int64_t, int64_t>{}),
       SmemLayout{}));
-  using TmaQ = Tma<typename Tr::SmemLayoutQ1>;  // Q and dO: one stage
+  // Clusters (SplitDClusterTraits): Q and dO by multicast, each CTA of the cluster issuing a
+  // 1/kCluster slice of the tile's box into every CTA (cute cuts the box's outermost mode: for the
+  // 64 x 256 SW128 tile, half of the 64-column atoms each).
+  static constexpr int kCluster = ClusterOf<Tr>::value;
+  template <class SmemLayout>
+  using TmaMc = decltype(make_tma_copy(
+      SM90_TMA_LOAD_MULTICAST{},
+      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
+                  Stride<int64_t, _1, int64_t, int64_t>{}),
+      SmemLayout{}, Int<kCluster>{}));
+  using TmaQ = std::conditional_t<(kCluster > 1), TmaMc<typename Tr::SmemLayoutQ1>,
+                                  Tma<typename Tr::SmemLayoutQ1>>;  // Q and dO: one stage
   using TmaK = Tma<typename Tr::SmemLayoutK>;
   using TmaV = Tma<typename Tr::SmemLayoutV>;
 

@@ -40,6 +40,10 @@
 #ifndef FA3_FWD_DYNAMIC_BANDED
 #define FA3_FWD_DYNAMIC_BANDED 1  // 0: banded problems with one CTA per tile (no tile counter)
 #endif
+#ifndef FA3_FWD_CROSS_TILE
+#define FA3_FWD_CROSS_TILE 0  // 1: consumers issue the next tile's first Q K^T before this
+                              // tile's final P V wait and epilogue (fwd_consumer_xtile)
+#endif
 
 namespace fa3 {
 
@@ -480,6 +484,251 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   }
 }
 
+// FA3_FWD_CROSS_TILE: the consumer of fwd_consumer with the tile loop rotated so that tile
+// boundaries overlap (cpp/kernels/NOTES.md, "Cross-tile overlap"). Per loop iteration:
+//   1. header of the next tile (q_full wait, ss.tile, decode, key range) and, if it has keys,
+//      its first Q K^T issued (one ping-pong turn, as at a tile start in fwd_consumer);
+//   2. the previous tile finished: wait for its final P V (wait_group 1 when the Q K^T of 1.
+//      is in flight behind it, else 0), release its V stage, epilogue (O / l, LSE, stores);
+//   3. the body of the tile of 1.: wait for S, softmax, the rotated main loop, the final P V
+//      issued but not waited for.
+// So the next tile's first Q K^T runs under this tile's last P V and epilogue instead of after
+// them, and its header (q_full wait, decode) runs while P V computes. The turn order of the
+// ping-pong is the same as fwd_consumer's (per tile with keys: first Q K^T, each loop block,
+// final P V), only the first Q K^T's turn is taken earlier. Needs kDirectO: with O staged in
+// the Q slab the producer cannot load the next Q before the epilogue (q_empty), and the q_full
+// wait of step 1 would never return.
+template <class T>
+CUTE_DEVICE void fwd_consumer_xtile(typename T::Params const& p, typename T::SharedStorage& ss,
+                                    typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, int wg) {
+  static_assert(T::kDirectO, "the cross-tile consumer needs the direct O epilogue");
+  using Element = typename T::Element;
+  using D = typename T::D;
+  using BN = typename T::BN;
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  using cutlass::arch::NamedBarrier;
+
+  int const tid = threadIdx.x % 128;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+  Tensor sQw = sQ(_, _, wg);
+
+  typename T::MmaQK mma_qk;
+  typename T::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQw);
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<_64, D>{});
+  Tensor tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  Tensor S = rowcol_view(tSrS);
+  Tensor O = rowcol_view(tOrO);
+  Tensor cS = rowcol_view(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
+  constexpr int kRows = decltype(size<0>(S))::value;
+  static_assert(kRows == 2);
+
+  OnlineSoftmax<kRows, T::kExp2EmuEvery> softmax(p.scale.scale_log2);
+  typename T::PipelineState read;    // the next block to read (K and V rings in lockstep)
+  typename T::PipelineState read_v;  // the V stage of the P V in flight
+  int q_phase = 0;
+  bool const softcap = p.scale.softcap;
+  float const pre_tanh = p.scale.pre_tanh;
+
+  constexpr int kWG = T::kNumMmaWG;
+  auto pingpong_wait = [&]() {
+    if constexpr (T::kPingPong) {
+      if (wg == 0) NamedBarrier::sync(2 * 128, T::kBarPingPong + 0);
+      else if (kWG == 2 || wg == 1) NamedBarrier::sync(2 * 128, T::kBarPingPong + 1);
+      else NamedBarrier::sync(2 * 128, T::kBarPingPong + 2);
+    }
+  };
+  auto pingpong_signal = [&]() {
+    if constexpr (T::kPingPong) {
+      if (wg == 0) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 1);
+      else if (kWG == 3 && wg == 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 2);
+      else NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
+    }
+  };
+  if constexpr (T::kPingPong) {
+    if (wg == kWG - 1) NamedBarrier::arrive(2 * 128, T::kBarPingPong + 0);
+  }
+  auto release_q = [&]() {
+    if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(&ss.q_empty);
+  };
+
+  // Epilogue of a finished tile (P V complete): O / l stored from registers, LSE.
+  auto epilogue = [&](TileCoord const& c, int wrow_lo, bool has_o) __attribute__((always_inline)) {
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(inv_sum, lse);
+    if (tid % 4 == 0) {
+      float* lse_bh = p.lse + (int64_t(c.batch) * p.heads_q + c.head) * p.seqlen_q;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = wrow_lo + get<0>(cS(r, 0));
+        if (row < p.seqlen_q) lse_bh[row] = lse[r];
+      }
+    }
+    Tensor cO = rowcol_view(thr_pv.partition_C(make_identity_tensor(Shape<_64, D>{})));
+    Element* o_bh = p.out + (int64_t(c.batch) * p.seqlen_q * p.heads_q + c.head) * T::kHeadDim;
+    int64_t const row_stride = int64_t(p.heads_q) * T::kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int row = wrow_lo + get<0>(cO(r, 0));
+      if (row < p.seqlen_q) {
+        Element* o_row = o_bh + row * row_stride;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(O); j += 2) {
+          cutlass::Array<Element, 2> pair;
+          // O itself is never written here (a Q K^T is in flight, see step 3); a tile
+          // without keys stores zeros (its O registers were never cleared).
+          pair[0] = Element(has_o ? O(r, j) * inv_sum[r] : 0.f);
+          pair[1] = Element(has_o ? O(r, j + 1) * inv_sum[r] : 0.f);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
+        }
+      }
+    }
+  };
+
+  int const num_tiles = p.sched.num_tiles();
+  bool const dynamic = T::kDynamicSchedule && p.tile_counter != nullptr;
+  // The tile whose epilogue is pending and whether its final P V is in flight.
+  bool prev_pv = false;
+  TileCoord pc{0, 0, 0};
+  int p_wrow_lo = p.seqlen_q;
+  for (int t = blockIdx.x;; t += int(gridDim.x)) {
+    // 1. The next tile: static schedule t; dynamic: the tile of the next q_full phase (the
+    //    producer writes ss.tile before its arrival; every q_full phase is waited for exactly
+    //    once, as in fwd_consumer). The end marker and the end of the static schedule give
+    //    valid = false; the static schedule then waits for nothing (the producer completes no
+    //    phase past its last tile).
+    bool valid = dynamic || t < num_tiles;
+    if (valid) {
+      ClusterBarrier::wait(&ss.q_full, q_phase);
+      q_phase ^= 1;
+      if (dynamic) {
+        t = ss.tile;
+        valid = t < num_tiles;
+      }
+    }
+    TileCoord c{};
+    int n_begin = 0, n_end = 0;
+    if (valid) {
+      c = p.sched.decode(t);
+      int row_lo = c.m_block * T::kBlockM;
+      int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+      p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
+    }
+    bool const has_keys = valid && n_begin < n_end;
+    // 2. The previous tile: its final P V, then its epilogue (no previous tile: p_wrow_lo =
+    //    seqlen_q, nothing is stored). With keys, the first Q K^T is issued first: committed
+    //    after the P V, so wait_group 1 leaves only it in flight and the epilogue runs under it.
+    //    The wait and the epilogue are unconditional and in both branches (not after a join):
+    //    with `if (prev)` around them, or one wait_group 1 after a join with an empty commit or
+    //    a wait_group 0 on the other side, ptxas lost track of which group was still in flight,
+    //    injected waits and serialised every WGMMA of the kernel (C7515/C7517/C7518/C7519).
+    auto finish_prev = [&]() __attribute__((always_inline)) {
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      if (prev_pv) pipe_v.consumer_release(read_v);
+      epilogue(pc, p_wrow_lo, prev_pv);
+    };
+    if (has_keys) {
+      // Its first Q K^T (last key block first), queued behind the previous tile's P V.
+      pipe_k.consumer_wait(read);
+      pingpong_wait();
+      wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pingpong_signal();
+      warpgroup_wait<1>();
+      finish_prev();
+      warpgroup_wait<0>();  // S of the first block (no group in flight across the join below)
+    } else {
+      warpgroup_wait<0>();
+      finish_prev();
+    }
+    if (!valid) break;
+
+    // 3. This tile. O is never cleared: any write of O's registers while the first Q K^T is
+    //    in flight made ptxas serialise every WGMMA of the kernel (C7515), and a clear written
+    //    after the wait, or only on the keyless path, was hoisted above it. The tile's first
+    //    P V overwrites O instead (scale-d = 0: the GMMA accumulate flag, a run-time value), and
+    //    the epilogue of a tile without keys stores zeros.
+    softmax.reset();
+    int wrow_lo = c.m_block * T::kBlockM + wg * 64;
+    int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
+    if (!has_keys) release_q();  // no key: Q is never read; O stored as zeros
+    if (has_keys) {
+      float alpha[kRows];
+      auto apply_mask = [&](int n) __attribute__((always_inline)) {
+        if constexpr (T::kBanded) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        else p.mask.apply_seqlen_k(S, cS, n * T::kBlockN);
+      };
+      auto interior = [&](int n) {
+        return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
+      };
+
+      int n = n_end - 1;
+      warpgroup_fence_operand(tSrS);
+      mma_pv.accumulate_ = GMMA::ScaleOut::Zero;  // wgmma_gemm sets One after its first k-step
+      pipe_k.consumer_release(read);
+      if (n == n_begin) release_q();
+      if (softcap) apply_softcap(tSrS, pre_tanh);
+      if (!interior(n)) apply_mask(n);
+      softmax.template update<true>(S, alpha);
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) alpha[r] = 1.f;
+      bool pv_pending = false;
+
+      // The rotated main loop of fwd_consumer (see there).
+      auto tail = [&]() __attribute__((always_inline)) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        if (pv_pending) pipe_v.consumer_release(read_v);
+        bool same_max = true;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
+        if (!__all_sync(0xffffffffu, same_max)) scale_rows(O, alpha);
+        convert_into(tSrS, tOrP);
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (--n; n >= n_begin; --n) {
+        tail();
+        read_v = read;
+        ++read;
+        pipe_k.consumer_wait(read);
+        pingpong_wait();
+        wgmma_gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        pipe_v.consumer_wait(read_v);
+        wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read_v.index()), tOrO);
+        pingpong_signal();
+        pv_pending = true;
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(tSrS);
+        pipe_k.consumer_release(read);
+        if (n == n_begin) release_q();
+        if (softcap) apply_softcap(tSrS, pre_tanh);
+        if (!interior(n)) apply_mask(n);
+        softmax.template update<false>(S, alpha);
+      }
+      tail();
+
+      // P V of the first key block: issued, waited for at the next iteration's step 2.
+      pipe_v.consumer_wait(read);
+      pingpong_wait();
+      wgmma_gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+      pingpong_signal();
+      read_v = read;
+      ++read;
+    }
+    prev_pv = has_keys;
+    pc = c;
+    p_wrow_lo = wrow_lo;
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant__ typename T::Params const p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -510,7 +759,8 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
+    if constexpr (FA3_FWD_CROSS_TILE != 0) fwd_consumer_xtile<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
+    else fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
   }
 }
 
