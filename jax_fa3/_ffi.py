@@ -61,11 +61,19 @@ def _device_reason() -> str | None:
     return None
 
 
+def extension_reason() -> str | None:
+    """None when the extension is built and the default device runs sm_90a kernels (whichever
+    head dims were compiled); otherwise a sentence saying why not."""
+    if _fa3_cuda is None:
+        return f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})"
+    return _device_reason()
+
+
 def unavailable_reason(direction: str, dtype, head_dim: int) -> str | None:
     """None when the kernel for `direction` ('fwd' or 'bwd') can run this dtype and head dim
     on the default device; otherwise a sentence saying why not."""
     if _fa3_cuda is None:
-        return f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})"
+        return extension_reason()
     name = jax.numpy.dtype(dtype).name
     compiled = _compiled(direction)
     if (name, int(head_dim)) not in compiled:

@@ -10,7 +10,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 # Eight CPU devices for the sharding and ring tests (simulated meshes), set before JAX starts a
@@ -22,8 +21,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _gpu_reason() -> str | None:
+    """Why no kernel can run here. Not one head dim's kernel: a build narrowed to other head
+    dims (FA3_HEAD_DIMS) still runs its tests, and each test skips the dims not compiled."""
     from jax_fa3 import _ffi
-    return _ffi.unavailable_reason("fwd", jnp.bfloat16, 128)
+    return _ffi.extension_reason()
 
 
 def _multigpu_reason() -> str | None:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import random_like, random_qkv
+from helpers import random_like, random_qkv, skip_unless_kernel
 from jax_fa3 import flash_attention
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -156,6 +156,7 @@ def _ffi_calls(jaxpr):
 
 @pytest.mark.gpu
 def test_vmap_folds_into_one_kernel_call():
+    skip_unless_kernel("fwd", BF16, 128)
     q, k, v = random_qkv(34, 2, 128, 128, 4, 2, 128, BF16)
     qs = jnp.stack([q, q])
     fwd = jax.make_jaxpr(jax.vmap(functools.partial(flash_attention, causal=True,
