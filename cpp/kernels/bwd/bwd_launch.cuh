@@ -44,30 +44,16 @@ template <class Tr>
 cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_t stream) {
   using Element = typename Tr::Element;
   const auto& s = p.shape;
-  constexpr int kCluster = ClusterOf<Tr>::value;
-  if constexpr (kCluster > 1) {
-    // The paired CTAs add their dQ partials in no fixed order relative to the other key blocks'
-    // turns (and walk steps outside their own range): deterministic calls take the plain kernel.
-    if (p.deterministic) return launch_main<typename Tr::NoCluster>(p, pp, stream);
-  }
   auto gtensor = [&](const void* ptr, int seqlen, int heads) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
                        make_shape(seqlen, int(Tr::kHeadDim), heads, s.batch),
                        make_stride(int64_t(heads) * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
                                    int64_t(seqlen) * heads * Tr::kHeadDim));
   };
-  // Q, dO: plain TMA, or (clusters) multicast with a box of 1/kCluster of the tile.
-  auto tma_qdo = [&](const void* ptr) {
-    if constexpr (kCluster > 1)
-      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, gtensor(ptr, s.seqlen_q, s.heads_q),
-                           typename Tr::SmemLayoutQ1{}, Int<kCluster>{});
-    else
-      return make_tma_copy(SM90_TMA_LOAD{}, gtensor(ptr, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{});
-  };
   SoftmaxScale sc = SoftmaxScale::make(p.opts.softmax_scale, p.opts.softcap);
   MainParams<Tr> mp{
-      tma_qdo(p.q),
-      tma_qdo(p.dout),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.dout, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
       make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutK{}),
       make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutV{}),
       pp.lse_log2,
@@ -103,26 +89,8 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
   const dim3 grid = FA3_BWD_LPT != 0 && !IsSplitD<Tr>::value
                         ? dim3(mp.order.num_tiles())
                         : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
-  if constexpr (kCluster > 1) {
-    // Clusters of kCluster adjacent key blocks: the key-block count rounded up (a block past
-    // seqlen_k is fully masked and writes no dK/dV). One 2-CTA cluster fits a TPC.
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((mp.order.n_blocks + kCluster - 1) / kCluster * kCluster, s.heads_kv, s.batch);
-    cfg.blockDim = dim3(Tr::kNumThreads);
-    cfg.dynamicSmemBytes = Tr::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    return cudaLaunchKernelEx(&cfg, kernel, mp);
-  } else {
-    kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
-    return cudaGetLastError();
-  }
+  kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
+  return cudaGetLastError();
 }
 
 // A traits class passed as a value (with_bwd_traits' callback arguments).

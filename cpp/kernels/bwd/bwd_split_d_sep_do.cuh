@@ -18,9 +18,7 @@
 namespace fa3 {
 namespace bwd {
 
-// kRank: the CTA's rank in its cluster (Tr::kCluster > 1; the caller dispatches on it), a
-// compile-time slice index so that the 24-register producer holds no extra loop value.
-template <class Tr, int kRank = 0>
+template <class Tr>
 CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block,
                                          int hk, int b, int group, int m_begin, int m_end) {
   static_assert(Tr::kSepdO && Tr::kStagesdO == 1);
@@ -35,14 +33,8 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
   Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
   load_kv(p, ss, n_block, hk, b);
 
-  // Clusters (Tr::kCluster > 1): this CTA's slice of every Q/dO tile, multicast into all CTAs of
-  // the cluster (mask kMcMask); each CTA still expects the whole tile's bytes on its own barriers.
-  // The `empty` / `do_empty` waits below then count the consumers of every CTA, so a slot is
-  // overwritten only when all of them have released it.
-  constexpr uint16_t kMcMask = Tr::kCluster > 1 ? uint16_t((1u << Tr::kCluster) - 1) : uint16_t(0);
-  static_assert(kRank >= 0 && kRank < Tr::kCluster);
-  auto tma_q = p.tma_q.get_slice(Int<kRank>{});
-  auto tma_do = p.tma_do.get_slice(Int<kRank>{});
+  auto tma_q = p.tma_q.get_slice(_0{});
+  auto tma_do = p.tma_do.get_slice(_0{});
   Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, TMA_M, TMA_K, stage)
   Tensor tdOsdO = tma_do.partition_D(sdO);
   int stage = 0;
@@ -61,12 +53,12 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
     for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
       ClusterBar::wait(&ss.empty[stage], phase ^ 1);
       TxBar::arrive_and_expect_tx(&ss.full[stage], kBytesHalfStage);
-      copy(p.tma_q.with(ss.full[stage], kMcMask, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+      copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
       SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
       if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
       ClusterBar::wait(&ss.do_empty, do_phase ^ 1);
       TxBar::arrive_and_expect_tx(&ss.do_full, kBytesHalfStage);
-      copy(p.tma_do.with(ss.do_full, kMcMask, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, 0));
+      copy(p.tma_do.with(ss.do_full, 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, 0));
       SM90_BULK_COPY_G2S::copy(dpsum, &ss.do_full, ss.dpsum.data(), Loads::kBytesRow);
       do_phase ^= 1;
     }

@@ -34,20 +34,6 @@
 #ifndef FA3_BWD_HD256_BLOCK_N
 #define FA3_BWD_HD256_BLOCK_N 80
 #endif
-// Thread-block cluster (off by default; not GPU-run yet): FA3_BWD_HD256_CLUSTER=2 pairs the CTAs of
-// adjacent 80-key blocks of one (kv head, batch); both walk the union of their query-block ranges
-// in lock step and each issues half of every Q and dO tile as a TMA multicast into both CTAs, so
-// one L2 read serves two key blocks (NOTES.md, "hd256 2-CTA cluster"). Deterministic calls fall
-// back to the plain kernel (launch_main).
-#ifndef FA3_BWD_HD256_CLUSTER
-#define FA3_BWD_HD256_CLUSTER 1
-#endif
-// With the cluster (off by default; not GPU-run): FA3_BWD_HD256_CLUSTER_DQ=1 also sums the pair's
-// dQ partials through distributed shared memory before the fp32 atomics (half the RED traffic);
-// P/dS are then single-buffered to make room for the 16 KB receive buffer.
-#ifndef FA3_BWD_HD256_CLUSTER_DQ
-#define FA3_BWD_HD256_CLUSTER_DQ 0
-#endif
 
 namespace fa3 {
 namespace bwd {
@@ -72,8 +58,6 @@ struct SplitDTraits {
                                        // warpgroup may still read this step's (no extra barrier)
   static constexpr int kPasses = 1;    // one walk over the query blocks (the shared producer's
                                        // pass loop, bwd_main.cuh)
-  static constexpr int kCluster = 1;   // CTAs per cluster (SplitDClusterTraits: 2)
-  static constexpr bool kDQPairSum = false;  // SplitDClusterTraits with FA3_BWD_HD256_CLUSTER_DQ
   static constexpr int kHdWg = kHeadDim / kNumMmaWG;  // dK^T/dV^T rows per warpgroup
   // dQ in two column chunks of 128, each split 64/64 between the warpgroups: the same tiling and
   // fragment order as BwdTile<256>, so the accumulator layout and bwd_postprocess are shared.
@@ -167,79 +151,15 @@ struct SplitDTraits {
   static_assert(kSmemBytes <= 232448, "split-D backward tile exceeds 227 KB of shared memory");
 };
 
-// The 80-key split-D kernel in 2-CTA clusters (FA3_BWD_HD256_CLUSTER=2). Same tile and shared
-// memory; what changes (all behind `kCluster > 1` in bwd_split_d.cuh / bwd_split_d_sep_do.cuh):
-// the Q/dO TMA is a multicast copy whose box is half the tile (BwdLoads::TmaQ), each `empty` /
-// `do_empty` barrier counts the consumer warps of both CTAs (the peer's consumers arrive on it
-// remotely), the CTA pair walks the union of its query-block ranges (the steps outside a CTA's
-// own range are fully masked: P = dS = 0), and the grid's key-block count is rounded up to even
-// (a key block past seqlen_k is all masked, K/V zero-filled by TMA).
-//
-// kDQPairSum (FA3_BWD_HD256_CLUSTER_DQ=1): the two CTAs also add their dQ partials of the step
-// (same query block, same fragment order) before the atomics. CTA r owns the columns of consumer
-// warpgroup r in both dQ chunks; per chunk its warpgroup 1 - r sends its 16 KB fragment into the
-// peer's receive buffer (st.async, completing on the peer's dq_full) and its warpgroup r adds the
-// peer's fragment from its own buffer to its registers and issues the atomics, then frees the
-// buffer (remote arrive on the peer's dq_empty). The 16 KB buffer fits only with P/dS in one
-// buffer (-20 KB; the kernel then syncs the consumers (DsFree) before writing P/dS).
-template <typename Element_, int kHeadDim_, bool kSoftcap_, bool kDQPairSum_ = FA3_BWD_HD256_CLUSTER_DQ != 0>
-struct SplitDClusterTraits : SplitDTraits<Element_, kHeadDim_, kSoftcap_, 80> {
-  using Base = SplitDTraits<Element_, kHeadDim_, kSoftcap_, 80>;
-  using NoCluster = Base;  // deterministic calls
-  static_assert(Base::kSepdO, "the cluster variant is written for the 80-key producer");
-  static constexpr int kCluster = 2;
-  static constexpr bool kDQPairSum = kDQPairSum_;
-  using Element = Element_;
-  static constexpr int kBlockM = Base::kBlockM, kBlockN = Base::kBlockN, kHeadDim = Base::kHeadDim;
-
-  // P/dS buffers (shadowing the base's): one with the dQ pair sum, else the base's two.
-  static constexpr int kStagesPdS = kDQPairSum ? 1 : Base::kStagesPdS;
-  using SmemLayoutPdS = decltype(tile_to_shape(typename Base::AtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesPdS>>{}));
-  using SmemLayoutPdSt = decltype(composition(
-      SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesPdS>>{},
-                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
-  // The receive buffer: one warpgroup's share of a dQ chunk, float4 j of thread t at j * 128 + t.
-  static constexpr int kDQRecvFloats = Base::kDQWgFloats;  // 64 x 64 fp32 = 16 KB
-  struct SharedStorageDQ {
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutK>, 1024> k;
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutV>, 1024> v;
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutQ>, 1024> q;
-    cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutdO>, 1024> dout;
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> p;
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
-    cute::array_aligned<float, kDQRecvFloats, 1024> dq_recv;
-    cute::array_aligned<float, Base::kStages * kBlockM, 16> lse;
-    cute::array_aligned<float, Base::kStages * kBlockM, 16> dpsum;
-    uint64_t kv_full;
-    uint64_t full[Base::kStages];
-    uint64_t empty[Base::kStages];
-    uint64_t do_full;
-    uint64_t do_empty;
-    uint64_t dq_full;   // the peer's fragment has landed in dq_recv (tx: 16 KB)
-    uint64_t dq_empty;  // the peer has read the fragment this CTA sent it (4 owner warps)
-  };
-  using SharedStorage = std::conditional_t<kDQPairSum, SharedStorageDQ, typename Base::SharedStorage>;
-  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
-  static_assert(kSmemBytes <= 232448, "cluster split-D tile exceeds 227 KB of shared memory");
-};
-
 template <class Tr> struct IsSplitD : std::false_type {};
 template <typename E, int D, bool S, int N> struct IsSplitD<SplitDTraits<E, D, S, N>> : std::true_type {};
-template <typename E, int D, bool S, bool Q> struct IsSplitD<SplitDClusterTraits<E, D, S, Q>> : std::true_type {};
-
-static_assert(FA3_BWD_HD256_CLUSTER == 1 || (FA3_BWD_HD256_CLUSTER == 2 && FA3_BWD_HD256_BLOCK_N == 80),
-              "FA3_BWD_HD256_CLUSTER is 1 or 2, and 2 needs the 80-key split-D tile");
-static_assert(FA3_BWD_HD256_CLUSTER_DQ == 0 || FA3_BWD_HD256_CLUSTER == 2,
-              "FA3_BWD_HD256_CLUSTER_DQ=1 needs FA3_BWD_HD256_CLUSTER=2");
 
 // The traits a (element, head dim, softcap) backward is built with: split-D for hd256 when the
-// switch is on (in 2-CTA clusters under FA3_BWD_HD256_CLUSTER=2), the default tile table otherwise.
+// switch is on, the default tile table otherwise.
 template <typename Element, int kHeadDim, bool kSoftcap>
-using BwdTraitsFor = std::conditional_t<
-    FA3_BWD_HD256_SPLIT_D && kHeadDim == 256,
-    std::conditional_t<FA3_BWD_HD256_CLUSTER == 2, SplitDClusterTraits<Element, kHeadDim, kSoftcap>,
-                       SplitDTraits<Element, kHeadDim, kSoftcap>>,
-    BwdTraits<Element, kHeadDim, kSoftcap>>;
+using BwdTraitsFor = std::conditional_t<FA3_BWD_HD256_SPLIT_D && kHeadDim == 256,
+                                        SplitDTraits<Element, kHeadDim, kSoftcap>,
+                                        BwdTraits<Element, kHeadDim, kSoftcap>>;
 
 }  // namespace bwd
 }  // namespace fa3

@@ -97,12 +97,12 @@ template <int kHeadDim> struct BwdTile;
 // memory operand bytes (64 instead of 96 KB per step: m64n32 SS reads 192 B/clk, twice the tensor
 // time's worth at 128 B/clk), half the HGMMAs. K takes the SW128 atom (each warpgroup reads all 64
 // columns). The dQ accumulator stays in each tile's fragment order (bwd_postprocess inverts it with
-// the same MmadQ). 128-row steps only. Default 0 (not GPU-tested; bwd NOTES.md, "hd64: where the
-// time goes").
+// the same MmadQ). 128-row steps only. Default 1 (session 6, with FA3_BWD_SDP_AHEAD: +4..+11% at
+// 4k-16k; bwd NOTES.md, "hd64: where the time goes"); 0 keeps the column split.
 #ifndef FA3_BWD_HD64_DQ_SPLIT_M
-#define FA3_BWD_HD64_DQ_SPLIT_M 0
+#define FA3_BWD_HD64_DQ_SPLIT_M 1
 #endif
-#if FA3_BWD_HD64_DQ_SPLIT_M
+#if FA3_BWD_HD64_DQ_SPLIT_M && FA3_BWD_HD64_BLOCK_M == 128  // a 64-row step keeps the column split
 template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; static constexpr bool kDQSplitM = true; };
 #else
 template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
@@ -253,13 +253,12 @@ struct BwdTraitsT {
   static constexpr bool kDQSplitM = TileDQSplitM<Tile>::value;
   static constexpr bool kNoBand = TileNoBand<Tile>::value;
   // Issue every sub-step's S^T/dP^T at the top of the step (FA3_BWD_SDP_AHEAD=1; kSubM > 1 only,
-  // i.e. hd64 at 128 rows; not with softcap, which then spills 8 B): see bwd_main.cuh. Default 0
-  // (not GPU-tested).
-#ifdef FA3_BWD_SDP_AHEAD
-  static constexpr bool kSdPAhead = FA3_BWD_SDP_AHEAD && kSubM > 1 && !kSoftcap;
-#else
-  static constexpr bool kSdPAhead = false;
+  // i.e. hd64 at 128 rows; not with softcap, which then spills 8 B): see bwd_main.cuh. Default 1
+  // (session 6, with the dQ row split above); 0 issues each sub-step's pair in turn.
+#ifndef FA3_BWD_SDP_AHEAD
+#define FA3_BWD_SDP_AHEAD 1
 #endif
+  static constexpr bool kSdPAhead = FA3_BWD_SDP_AHEAD && kSubM > 1 && !kSoftcap;
   // Statistics shuffles with an immediate source-lane base (bwd_main.cuh, shfl_idx_seg3): frees
   // the 8 registers of source lanes. The 80-row tile only, so the GPU-tested kernels keep their
   // SASS; a candidate for every tile.
@@ -353,11 +352,6 @@ struct BwdTraitsT {
 // What the producer warp loads (bwd_main.cuh, load_kv_and_steps) for a traits class Tr, either
 // BwdTraits or SplitDTraits: the TMA copy types over the global tensors as TMA sees them,
 // (seqlen, head_dim, heads, batch), and the transaction bytes of K + V and of one Q/dO/LSE/D stage.
-// CTAs per thread-block cluster of a traits class: its kCluster, 1 where it has none.
-template <class Tr, class = void> struct ClusterOf : std::integral_constant<int, 1> {};
-template <class Tr> struct ClusterOf<Tr, std::void_t<decltype(Tr::kCluster)>>
-    : std::integral_constant<int, Tr::kCluster> {};
-
 template <class Tr>
 struct BwdLoads {
   using Element = typename Tr::Element;
@@ -367,18 +361,7 @@ struct BwdLoads {
       make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
                   Stride<int64_t, _1, int64_t, int64_t>{}),
       SmemLayout{}));
-  // Clusters (SplitDClusterTraits): Q and dO by multicast, each CTA of the cluster issuing a
-  // 1/kCluster slice of the tile's box into every CTA (cute cuts the box's outermost mode: for the
-  // 64 x 256 SW128 tile, half of the 64-column atoms each).
-  static constexpr int kCluster = ClusterOf<Tr>::value;
-  template <class SmemLayout>
-  using TmaMc = decltype(make_tma_copy(
-      SM90_TMA_LOAD_MULTICAST{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
-                  Stride<int64_t, _1, int64_t, int64_t>{}),
-      SmemLayout{}, Int<kCluster>{}));
-  using TmaQ = std::conditional_t<(kCluster > 1), TmaMc<typename Tr::SmemLayoutQ1>,
-                                  Tma<typename Tr::SmemLayoutQ1>>;  // Q and dO: one stage
+  using TmaQ = Tma<typename Tr::SmemLayoutQ1>;  // Q and dO: one stage
   using TmaK = Tma<typename Tr::SmemLayoutK>;
   using TmaV = Tma<typename Tr::SmemLayoutV>;
 

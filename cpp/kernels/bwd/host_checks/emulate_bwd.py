@@ -36,10 +36,6 @@ assert BM % SM == 0
 # (one 80-column S^T/dP^T pass, dQ^T = K^T dS^T), the others BM/SM: BWD_BLOCK_M_FULL=80.
 FULL = int(os.environ.get("BWD_BLOCK_M_FULL", "0"))
 BM_DEFAULT, SM_DEFAULT = BM, SM
-# FA3_BWD_HD256_CLUSTER=2 (with BWD_BLOCK_N=80): CTAs in clusters of CL adjacent key blocks, the
-# key-block count rounded up to a multiple of CL (a block past seqlen_k has no keys), every CTA
-# walking the cluster's hull range (bwd_split_d.cuh, cta_query_block_range): BWD_CLUSTER=2.
-CL = int(os.environ.get("BWD_CLUSTER", "1"))
 
 
 def uses_full_tile(sq, sk, wl, wr, softcap):
@@ -58,19 +54,6 @@ def query_block_range(sq, sk, wl, wr, n):
     return (0, 0) if hi < lo else (lo // BM, hi // BM + 1)
 
 
-def cta_query_block_range(sq, sk, wl, wr, n):
-    """bwd_split_d.cuh's cta_query_block_range: the cluster's keys taken as one block of CL * BN."""
-    global BN
-    if CL == 1:
-        return query_block_range(sq, sk, wl, wr, n)
-    bn = BN
-    BN = bn * CL
-    try:
-        return query_block_range(sq, sk, wl, wr, n // CL)
-    finally:
-        BN = bn
-
-
 def block_is_interior(sq, sk, wl, wr, row_lo, row_hi, n0):
     off = sk - sq
     return n0 >= row_hi + off - wl and n0 + BN - 1 <= row_lo + off + wr and n0 + BN <= sk
@@ -83,7 +66,6 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
     mb = -(-sq // BM)
     sq_pad = mb * BM
     nb = -(-sk // BN)
-    nb = -(-nb // CL) * CL  # the cluster launch's grid (CL = 1: unchanged)
     pad = lambda x, n: np.concatenate([x, np.zeros((x.shape[0], n - x.shape[1]) + x.shape[2:])], 1)  # noqa: E731
     qp, dop = pad(q, sq_pad), pad(dout, sq_pad)
     kp, vp = pad(k, nb * BN), pad(v, nb * BN)
@@ -100,7 +82,7 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
     dk, dv = np.zeros_like(k), np.zeros_like(v)
     sub_step = sub_step_fn(sq, sk, wl, wr, softcap, scale_log2, pre_tanh)
     for bi, hk, n in itertools.product(range(b), range(hkv), range(nb)):
-        m_begin, m_end = cta_query_block_range(sq, sk, wl, wr, n)
+        m_begin, m_end = query_block_range(sq, sk, wl, wr, n)
         n0 = n * BN
         K, V = kp[bi, n0:n0 + BN, hk], vp[bi, n0:n0 + BN, hk]
         dK, dV = np.zeros((BN, d)), np.zeros((BN, d))
@@ -116,7 +98,7 @@ def emulate(q, k, v, out, lse, dout, wl, wr, softcap, scale):
                     dq_acc[bi, h, m0:m0 + BM] += (K.T @ dSt_step).T
                 else:
                     dq_acc[bi, h, m0:m0 + BM] += dSt_step.T @ K
-        keys = slice(n0, max(min(n0 + BN, sk), n0))  # empty past seqlen_k (cluster padding)
+        keys = slice(n0, min(n0 + BN, sk))
         dk[bi, keys, hk] = (dK * scale)[: keys.stop - n0]
         dv[bi, keys, hk] = dV[: keys.stop - n0]
     dq = (dq_acc[:, :, :sq] * scale).transpose(0, 2, 1, 3)
@@ -174,40 +156,6 @@ def check_turn_order(rng, trials=3000):
           f"nb, nb + 1, ... (no deadlock, fixed order)")
 
 
-def check_cluster_ranges(rng, trials=3000):
-    """Clusters: the hull range every CTA of a cluster walks (cta_query_block_range) equals the
-    union of the member key blocks' own query_block_range (no gap: no step visited by nobody), and
-    each step outside a CTA's own range is fully masked for it (brute force over the block's
-    (row, key) pairs), so it adds exact zeros; blocks past seqlen_k have an empty own range."""
-    steps = foreign = 0
-    for _ in range(trials):
-        sq, sk = int(rng.integers(1, 700)), int(rng.integers(1, 700))
-        wl = int(rng.choice([UNB, rng.integers(-300, 600)]))
-        wr = int(rng.choice([UNB, 0, rng.integers(-300, 600)]))
-        nb = -(-(-(-sk // BN)) // CL) * CL
-        for c0 in range(0, nb, CL):
-            own = {}
-            for n in range(c0, c0 + CL):
-                mb, me = query_block_range(sq, sk, wl, wr, n) if n * BN < sk else (0, 0)
-                own[n] = set(range(mb, me))
-            union = set().union(*own.values())
-            for n in range(c0, c0 + CL):
-                hb, he = cta_query_block_range(sq, sk, wl, wr, n)
-                hull = set(range(hb, he))
-                assert hull == union, (sq, sk, wl, wr, n, sorted(hull), sorted(union))
-                for m in hull - own[n]:
-                    i = np.arange(m * BM, min(m * BM + BM, sq))[:, None]
-                    j = np.arange(n * BN, n * BN + BN)[None, :]
-                    rel = (j - sk) - (i - sq)
-                    seen = (j < sk) & (rel >= -wl) & (rel <= wr)
-                    assert not seen.any(), (sq, sk, wl, wr, n, m)
-                    assert not block_is_interior(sq, sk, wl, wr, m * BM, min(m * BM + BM, sq) - 1, n * BN)
-                    foreign += 1
-                steps += len(hull)
-    print(f"clusters of {CL}: {trials} random bands, every CTA's hull range is the union of the "
-          f"cluster's own ranges; {foreign} of {steps} CTA steps outside the own range, all fully masked")
-
-
 def set_tile(bm, sm):
     global BM, SM
     BM, SM = bm, sm
@@ -216,8 +164,6 @@ def set_tile(bm, sm):
 def main():
     rng = np.random.default_rng(0)
     check_turn_order(rng)
-    if CL > 1:
-        check_cluster_ranges(rng)
     if FULL:
         set_tile(FULL, FULL)
         check_turn_order(rng)
@@ -232,10 +178,6 @@ def main():
         # unbanded, seqlen_q not a multiple of 80 / exactly 80 k, keys ragged: the 80-row tile
         (1, 81, 300, 2, 2, 16, UNB, UNB, 0.0), (1, 240, 129, 4, 2, 16, UNB, UNB, 0.0),
         (2, 161, 257, 2, 1, 16, UNB, UNB, 0.0), (1, 79, 80, 2, 2, 16, UNB, UNB, 0.0),
-        # clusters: odd key-block counts at 80 keys (a padding block), causal pairs with different
-        # diagonals, sq != sk, windows whose pair ranges end differently
-        (1, 400, 240, 2, 2, 16, UNB, 0, 0.0), (1, 170, 400, 4, 1, 16, UNB, 0, 0.0),
-        (1, 330, 330, 2, 2, 16, 70, 20, 0.0), (1, 500, 170, 2, 2, 16, 90, -30, 3.0),
     ]
     full_cases = 0
     worst = 0.0
