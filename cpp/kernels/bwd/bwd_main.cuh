@@ -159,6 +159,19 @@ CUTE_DEVICE void load_kv(MainParams<Tr> const& p, typename Tr::SharedStorage& ss
   copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 }
 
+// TMA source partitions (TMA, TMA_M, TMA_K, m_blocks) of Q and dO of query head h, batch b: what
+// both producers (load_kv_and_steps, split_d_producer_sep_do) walk per head.
+template <class Tr>
+CUTE_DEVICE auto qdo_head_tiles(MainParams<Tr> const& p, int h, int b) {
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  const auto shape = make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch);
+  Tensor gQ = local_tile(p.tma_q.get_tma_tensor(shape)(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                         make_coord(_, _0{}));
+  Tensor gdO = local_tile(p.tma_do.get_tma_tensor(shape)(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                          make_coord(_, _0{}));
+  return cute::make_tuple(p.tma_q.get_slice(_0{}).partition_S(gQ), p.tma_do.get_slice(_0{}).partition_S(gdO));
+}
+
 // Producer, one elected thread: K and V of key block n_block once, then for every (pass, query
 // head of kv head hk's group, query block in [m_begin, m_end)) Q and dO (TMA) and the block's
 // LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
@@ -171,11 +184,9 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
   load_kv(p, ss, n_block, hk, b);
 
   auto tma_q = p.tma_q.get_slice(_0{});
@@ -193,10 +204,7 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
     int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
     #pragma unroll 1
     for (int h = h_first; h < h_end; ++h, row0 += int64_t(p.m_blocks) * kBlockM) {
-      Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-      Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
-      Tensor tdOgdO = tma_do.partition_S(gdO);
+      auto [tQgQ, tdOgdO] = qdo_head_tiles(p, h, b);
       const float* lse = p.lse_log2 + row0;
       const float* dpsum = p.dpsum + row0;
       #pragma unroll 1

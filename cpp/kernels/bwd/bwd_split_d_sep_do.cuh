@@ -26,11 +26,9 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
   constexpr uint32_t kBytesHalfStage = Loads::kBytesQ + Loads::kBytesRow;  // Q + LSE, or dO + D
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
-  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(p.seqlen_q, kHeadDim, p.heads_q, p.batch));
   load_kv(p, ss, n_block, hk, b);
 
   auto tma_q = p.tma_q.get_slice(_0{});
@@ -42,10 +40,7 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
   #pragma unroll 1
   for (int hi = 0; hi < group; ++hi) {
     const int h = hk * group + hi;
-    Tensor gQ = local_tile(mQ(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor gdO = local_tile(mdO(_, _, h, b), Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
-    Tensor tQgQ = tma_q.partition_S(gQ);  // (TMA, TMA_M, TMA_K, m_blocks)
-    Tensor tdOgdO = tma_do.partition_S(gdO);
+    auto [tQgQ, tdOgdO] = qdo_head_tiles(p, h, b);
     const int64_t row0 = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m_begin) * kBlockM;
     const float* lse = p.lse_log2 + row0;
     const float* dpsum = p.dpsum + row0;

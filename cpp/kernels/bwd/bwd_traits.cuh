@@ -102,11 +102,8 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_HD64_DQ_SPLIT_M
 #define FA3_BWD_HD64_DQ_SPLIT_M 1
 #endif
-#if FA3_BWD_HD64_DQ_SPLIT_M && FA3_BWD_HD64_BLOCK_M == 128  // a 64-row step keeps the column split
-template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; static constexpr bool kDQSplitM = true; };
-#else
-template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
-#endif
+// (A 64-row step keeps the column split.)
+template <> struct BwdTile<64>  { static constexpr int kBlockM = FA3_BWD_HD64_BLOCK_M, kBlockMSdP = 64, kStages = FA3_BWD_HD64_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; static constexpr bool kDQSplitM = FA3_BWD_HD64_DQ_SPLIT_M && FA3_BWD_HD64_BLOCK_M == 128; };
 // 96: dK+dV 96 regs; smem 24+24 + 48 + 16 + 24 (dQ) KB.
 template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD96_STAGES, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = FA3_BWD_OVERLAP_P, kOverlapDK = FA3_BWD_OVERLAP_DK; };
 // 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
