@@ -159,6 +159,15 @@ CUTE_DEVICE void load_kv(MainParams<Tr> const& p, typename Tr::SharedStorage& ss
   copy(p.tma_v.with(ss.kv_full), tma_v.partition_S(gV), tma_v.partition_D(sV));
 }
 
+// TMA destination partitions (TMA, TMA_M, TMA_K, stage) of the Q and dO rings, dO in the
+// kernel's layout (SmemLayoutQ when it shares Q's ring, SmemLayoutdO in its own).
+template <class Tr, class SmemLayoutdO>
+CUTE_DEVICE auto qdo_ring_tiles(MainParams<Tr> const& p, typename Tr::SharedStorage& ss) {
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), SmemLayoutdO{});
+  return cute::make_tuple(p.tma_q.get_slice(_0{}).partition_D(sQ), p.tma_do.get_slice(_0{}).partition_D(sdO));
+}
+
 // TMA source partitions (TMA, TMA_M, TMA_K, m_blocks) of Q and dO of query head h, batch b: what
 // both producers (load_kv_and_steps, split_d_producer_sep_do) walk per head.
 template <class Tr>
@@ -185,14 +194,8 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
   constexpr int kBlockM = Tr::kBlockM;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutQ{});
   load_kv(p, ss, n_block, hk, b);
-
-  auto tma_q = p.tma_q.get_slice(_0{});
-  auto tma_do = p.tma_do.get_slice(_0{});
-  Tensor tQsQ = tma_q.partition_D(sQ);     // (TMA, TMA_M, TMA_K, stage)
-  Tensor tdOsdO = tma_do.partition_D(sdO);
+  auto [tQsQ, tdOsdO] = qdo_ring_tiles<Tr, typename Tr::SmemLayoutQ>(p, ss);
   int stage = 0;
   uint32_t phase = 0;
   #pragma unroll 1

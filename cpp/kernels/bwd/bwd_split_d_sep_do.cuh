@@ -27,14 +27,8 @@ CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::S
   using Loads = BwdLoads<Tr>;
   constexpr uint32_t kBytesHalfStage = Loads::kBytesQ + Loads::kBytesRow;  // Q + LSE, or dO + D
   constexpr int kBlockM = Tr::kBlockM;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
-  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Tr::SmemLayoutdO{});
   load_kv(p, ss, n_block, hk, b);
-
-  auto tma_q = p.tma_q.get_slice(_0{});
-  auto tma_do = p.tma_do.get_slice(_0{});
-  Tensor tQsQ = tma_q.partition_D(sQ);  // (TMA, TMA_M, TMA_K, stage)
-  Tensor tdOsdO = tma_do.partition_D(sdO);
+  auto [tQsQ, tdOsdO] = qdo_ring_tiles<Tr, typename Tr::SmemLayoutdO>(p, ss);
   int stage = 0;
   uint32_t phase = 0, do_phase = 0;
   #pragma unroll 1
