@@ -40,6 +40,28 @@ Workspace workspace_layout(const BwdParams& p) {
   return w;
 }
 
+#if FA3_BWD_TMA_DKV
+// The dK or dV TMA store of MainParams (bwd_main.cuh, store_dkv_tma): over (seqlen_k, head_dim,
+// heads_kv, batch) with DKVStore's 16-row shared-memory view as the box; the empty placeholder for
+// traits without kTmaDKV.
+template <class Tr, bool kDV>
+auto dkv_tma_store(void* ptr, const AttentionShape& s) {
+  using St = DKVStore<Tr>;
+  using Tma = std::conditional_t<kDV, typename St::TmaDV, typename St::TmaDK>;
+  if constexpr (St::kEnabled) {
+    using Element = typename Tr::Element;
+    auto g = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                         make_shape(s.seqlen_k, int(Tr::kHeadDim), s.heads_kv, s.batch),
+                         make_stride(int64_t(s.heads_kv) * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
+                                     int64_t(s.seqlen_k) * s.heads_kv * Tr::kHeadDim));
+    using SmemLayout = std::conditional_t<kDV, typename St::SmemLayoutdV16, typename St::SmemLayoutdK16>;
+    return Tma(make_tma_copy(SM90_TMA_STORE{}, g, SmemLayout{}));
+  } else {
+    return Tma{};
+  }
+}
+#endif
+
 template <class Tr>
 cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_t stream) {
   using Element = typename Tr::Element;
@@ -75,7 +97,11 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
       p.opts.softmax_scale,
       p.deterministic ? 1 : 0,
       BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
-                   bwd_order_section(s, p.opts, int(sizeof(Element)))}};
+                   bwd_order_section(s, p.opts, int(sizeof(Element)))}
+#if FA3_BWD_TMA_DKV
+      , dkv_tma_store<Tr, false>(p.dk, s), dkv_tma_store<Tr, true>(p.dv, s)
+#endif
+  };
   auto kernel = [] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
     else return bwd_main_kernel<Tr>;

@@ -48,6 +48,12 @@ struct MainParams {
   float softmax_scale;
   int deterministic;
   BwdTileOrder order;  // FA3_BWD_LPT: the 1D grid's CTA order (bwd_order.cuh)
+#if FA3_BWD_TMA_DKV
+  // dK/dV TMA stores over (seqlen_k, head_dim, heads_kv, batch) (store_dkv_tma; placeholders for
+  // traits without kTmaDKV). launch_main's last two initializers (dkv_tma_store).
+  typename DKVStore<Tr>::TmaDK tma_dk;
+  typename DKVStore<Tr>::TmaDV tma_dv;
+#endif
 };
 
 // (key block, kv head, batch) of this CTA: from the 3D grid, or decoded from the 1D grid in the
@@ -234,6 +240,88 @@ enum : uint32_t {
 };
 constexpr int kDQBarThreads = 128 + 32;
 
+// The kernel's shared storage at the first 1024-byte boundary of the dynamic smem window (the
+// swizzled TMA tiles need it). kSharedSpace (FA3_BWD_SMEM_SPACE): reach it by indexing the
+// __shared__ array, so the compiler keeps the shared space (LDS/STS for the statistics and the
+// dQ tile); else through an integer, which makes those accesses generic LD.E/ST.E.
+template <class Storage, bool kSharedSpace>
+__device__ __forceinline__ Storage& aligned_storage(char* smem_raw) {
+  if constexpr (kSharedSpace) {
+    const uint32_t pad = (0u - cute::cast_smem_ptr_to_uint(smem_raw)) & 1023u;
+    return *reinterpret_cast<Storage*>(smem_raw + pad);
+  } else {
+    return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  }
+}
+
+// dK (scaled by softmax_scale) and dV of consumer warpgroup wg, through shared memory and TMA
+// stores (FA3_BWD_TMA_DKV, one-pass tiles; DKVStore in bwd_traits.cuh). Called once per CTA after
+// the main loop's final warpgroup_wait<0>, by all 128 threads of the warpgroup; `steps` is the
+// number of steps the CTA ran (the step counter `it`).
+// Why the staging memory is free without a barrier between the warpgroups:
+//  - dV goes to this warpgroup's own 64 rows of V. Only this warpgroup reads them (dP^T = V dO^T
+//    takes V rows of its own keys as the A operand), and its final wait<0> retired those reads.
+//    The K/V TMA completed before the first step (kv_full), or was never issued (no steps).
+//  - dK goes to stage fs = steps % kStages of the Q/dO ring (Q for wg 0, dO for wg 1), which the
+//    last step (stage (steps - 1) % kStages) does not use. TMA: the producer issues exactly one
+//    load per step and every step's load was waited for (full barrier), so no load is in flight
+//    and none will come. Readers: the latest step that used stage fs is steps - kStages (or none).
+//    This warpgroup retired all its reads. The other warpgroup's reads of that step (S^T, dP^T,
+//    dV, and dK, which the dK overlap keeps in flight into the next step) are retired by its first
+//    WGMMA wait of step steps - 1, before it arrives on that step's DsFull barrier. This warpgroup
+//    has passed that barrier (a 256-thread sync) before leaving the loop, so the other warpgroup
+//    reads only stage (steps - 1) % kStages, its dS buffer, K and its own V rows from now on.
+//    kPasses == 1 makes the DsFull barrier part of every step; kStages >= 2 makes fs a second stage.
+// Each warp owns 16 key rows of the WGMMA C layout, so it writes its rows with stmatrix, fences
+// (generic -> async proxy), and one lane stores its (16, head dim) boxes of dK and dV by TMA:
+// no barrier beyond __syncwarp. Rows past seqlen_k are clipped by TMA (out-of-bounds box rows are
+// not written); a box that starts past seqlen_k is not issued. The lane waits until the stores
+// have read shared memory (tma_store_wait<0>) so the CTA outlives the reads; the global writes
+// complete on their own before the grid does.
+template <class Tr, class FragK, class FragV>
+CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, FragK& tdKrdK,
+                               FragV const& tdVrdV, int steps, int n_block, int hk, int b, int wg, int t_in_wg) {
+  using St = DKVStore<Tr>;
+  using Element = typename Tr::Element;
+  constexpr int kHeadDim = Tr::kHeadDim;
+  const int fs = steps % Tr::kStages;
+  Element* dk_buf = (wg == 0 ? ss.q.data() : ss.dout.data()) + fs * St::kStageElems;
+  Element* dv_buf = ss.v.data() + wg * St::kVHalf;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= p.softmax_scale;
+  Tensor rdK = make_tensor<Element>(tdKrdK.layout());
+  convert_fragment(tdKrdK, rdK);
+  Tensor rdV = make_tensor<Element>(tdVrdV.layout());
+  convert_fragment(tdVrdV, rdV);
+  auto stsm = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename St::MmaWg{});
+  auto thr = stsm.get_thread_slice(t_in_wg);
+  Tensor sdK = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(dk_buf), typename St::SmemLayoutdK{}));
+  Tensor sdV = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(dv_buf), typename St::SmemLayoutdV{}));
+  copy(stsm, thr.retile_S(rdK), thr.partition_D(sdK));
+  copy(stsm, thr.retile_S(rdV), thr.partition_D(sdV));
+  cutlass::arch::fence_view_async_shared();  // stmatrix writes -> visible to the TMA stores
+  __syncwarp();
+  const int warp = t_in_wg / 32;
+  const int row_blk = n_block * (Tr::kBlockN / St::kWarpRows) + wg * (64 / St::kWarpRows) + warp;
+  if (row_blk * St::kWarpRows < p.seqlen_k) {  // warp-uniform
+    if (cute::elect_one_sync()) {
+      auto shape = make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch);
+      Tensor mdK = p.tma_dk.get_tma_tensor(shape);
+      Tensor mdV = p.tma_dv.get_tma_tensor(shape);
+      Tensor gdK = local_tile(mdK(_, _, hk, b), Shape<Int<St::kWarpRows>, Int<kHeadDim>>{}, make_coord(row_blk, _0{}));
+      Tensor gdV = local_tile(mdV(_, _, hk, b), Shape<Int<St::kWarpRows>, Int<kHeadDim>>{}, make_coord(row_blk, _0{}));
+      Tensor sdK_w = make_tensor(make_smem_ptr(dk_buf + warp * St::kWarpOffset), typename St::SmemLayoutdK16{});
+      Tensor sdV_w = make_tensor(make_smem_ptr(dv_buf + warp * St::kWarpOffset), typename St::SmemLayoutdV16{});
+      auto [tKg, tKs] = tma_partition(p.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdK_w), group_modes<0, 2>(gdK));
+      auto [tVg, tVs] = tma_partition(p.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdV_w), group_modes<0, 2>(gdV));
+      copy(p.tma_dk, tKs, tKg);
+      copy(p.tma_dv, tVs, tVg);
+      tma_store_arrive();
+      tma_store_wait<0>();  // shared memory read: the CTA may exit
+    }
+  }
+}
+
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     bwd_main_kernel(const __grid_constant__ MainParams<Tr> p) {
@@ -247,9 +335,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   extern __shared__ char smem_raw[];
   // Everything a role needs is (re)computed after its setmaxnreg, so that no value lives across
   // the register reallocation (ptxas would spill it).
-  auto storage = [&]() -> Storage& {
-    return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  };
+  auto storage = [&]() -> Storage& { return aligned_storage<Storage, false>(smem_raw); };
+  // The producer warp, on 24 registers, spills 20 B with the shared-space form: it keeps the
+  // generic one (its accesses are TMA/bulk/mbarrier operands through cvta anyway).
+  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, Tr::kSmemSpace>(smem_raw); };
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     Storage& ss = storage();
@@ -260,6 +349,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       ClusterBar::init(&ss.empty[s], Tr::kNumMmaWG * 4);  // one arrive per consumer warp
     }
     cutlass::arch::fence_barrier_init();
+    if constexpr (DKVStore<Tr>::kEnabled) {
+      cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
+    }
   }
   __syncthreads();
 
@@ -352,7 +445,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   } else {
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
-    Storage& ss = storage();
+    Storage& ss = consumer_storage();
     int n_block, hk, b;
     cta_coord(p, n_block, hk, b);
     const int group = p.heads_q / p.heads_kv;
@@ -360,9 +453,21 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     int m_begin, m_end;
     query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
     const bool has_work = m_end > m_begin;
-    const int ct = threadIdx.x - 128;  // 0..255
-    const int wg = ct / 128;
-    const int t_in_wg = ct % 128;
+    int ct, wg, t_in_wg;  // consumer thread 0..255, its warpgroup 0..1, thread in the warpgroup
+    if constexpr (Tr::kUniformWg) {
+      // FA3_BWD_UNIFORM_WG: the warpgroup index through a shuffle (warp-uniform for ptxas), and
+      // ct built from it so that the MMA thread slices' (ct / 128) % 2 folds to it: the K, V and
+      // K^T descriptors of this warpgroup's slice then live in uniform registers (no R2UR).
+      const unsigned wg_u = unsigned(cutlass::canonical_warp_group_idx()) - 1u;
+      __builtin_assume(wg_u < 2u);
+      wg = int(wg_u);
+      t_in_wg = int(threadIdx.x % 128u);
+      ct = int((wg_u << 7) | (threadIdx.x % 128u));
+    } else {
+      ct = threadIdx.x - 128;
+      wg = ct / 128;
+      t_in_wg = ct % 128;
+    }
 
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});
@@ -699,6 +804,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       warpgroup_fence_operand(tdVrdV);
 
       // Epilogue of the pass: this pass's columns of dK (scaled) and dV, in the input dtype.
+      if constexpr (DKVStore<Tr>::kEnabled) {
+        store_dkv_tma(p, ss, tdKrdK, tdVrdV, it, n_block, hk, b, wg, t_in_wg);
+        continue;  // kPasses == 1: the end of the kernel
+      }
       const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
       Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
       Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;

@@ -37,9 +37,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   using Storage = typename Tr::SharedStorage;
 
   extern __shared__ char smem_raw[];
-  auto storage = [&]() -> Storage& {
-    return *reinterpret_cast<Storage*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  };
+  auto storage = [&]() -> Storage& { return aligned_storage<Storage, false>(smem_raw); };
+  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, Tr::kSmemSpace>(smem_raw); };
   if (threadIdx.x == 0) {
     Storage& ss = storage();
     TxBar::init(&ss.kv_full, 1);
@@ -76,14 +75,25 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
 
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
-  Storage& ss = storage();
+  Storage& ss = consumer_storage();
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int group = p.heads_q / p.heads_kv;
   BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   int m_begin, m_end;
   query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-  const int ct = threadIdx.x - 128;  // 0..255
-  const int t_in_wg = ct % 128;
+  int ct, t_in_wg;  // consumer thread 0..255, thread in its warpgroup
+  if constexpr (Tr::kUniformWg) {
+    // FA3_BWD_UNIFORM_WG (bwd_main_kernel's): the warpgroup index through a shuffle, so ptxas
+    // knows it is warp-uniform, and ct built from it so that the thread slices' (ct / 128) % 2
+    // folds to it: the per-warpgroup K, V, K^T, Q^T and dO^T descriptors become uniform.
+    const unsigned wg_u = unsigned(cutlass::canonical_warp_group_idx()) - 1u;
+    __builtin_assume(wg_u < 2u);
+    t_in_wg = int(threadIdx.x % 128u);
+    ct = int((wg_u << 7) | (threadIdx.x % 128u));
+  } else {
+    ct = threadIdx.x - 128;
+    t_in_wg = ct % 128;
+  }
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});

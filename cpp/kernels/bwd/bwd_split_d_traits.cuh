@@ -66,6 +66,13 @@ struct SplitDTraits {
   static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   static constexpr bool kDQSmem = false;
+  // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (bwd_traits.cuh; NOTES.md "Session 6: ours vs FA3 at
+  // hd128 causal, SASS", subsection "Split-D (hd256) and hd192"): the consumers reach
+  // SharedStorage with its shared address space kept (statistics loads, the dK/dV staging of the
+  // 80-key epilogue: LDS/STS, not generic LD/ST), and take their warpgroup index warp-uniform
+  // (WGMMA descriptors in uniform registers, not per thread + R2UR).
+  static constexpr bool kSmemSpace = FA3_BWD_SMEM_SPACE;
+  static constexpr bool kUniformWg = FA3_BWD_UNIFORM_WG;
   // See BwdTraits: 384 x 168 = 128 x 24 + 256 x 240.
   static constexpr int kProducerRegs = 24;
   static constexpr int kMmaRegs = 240;

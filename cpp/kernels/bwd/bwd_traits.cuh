@@ -43,6 +43,28 @@ using namespace cute;
 //   kStages   Q/dO/LSE/D shared-memory stages (TMA ring)
 //   kStagesdS dS buffers (2 lets the next step write dS while the other warpgroup still reads)
 template <int kHeadDim> struct BwdTile;
+// Consumer-loop code quality (session 6, from the SASS against FA3's hd128 causal kernel; see
+// NOTES.md "Session 6: ours vs FA3 at hd128 causal, SASS"). All off by default, so the
+// GPU-tested kernels keep their SASS; each changes only how ptxas sees the same computation:
+//   FA3_BWD_SMEM_SPACE=1: the SharedStorage reference keeps the provenance of the __shared__
+//     array (1024 B rounding by an offset, not through an integer), so the statistics loads and
+//     the dQ tile stores are LDS/STS instead of generic LD.E/ST.E (which go through the LSU's
+//     global queue: long-scoreboard waits, lg_throttle, counted as L1 hits by ncu).
+//   FA3_BWD_UNIFORM_WG=1: the consumer's warpgroup index comes from a warp shuffle
+//     (cutlass::canonical_warp_group_idx), so ptxas knows it is warp-uniform and builds the K, V
+//     and K^T WGMMA descriptors in uniform registers instead of per thread + R2UR.
+//   FA3_BWD_SHFL_SEG_LANE=1: the statistics shuffles of the d <= 128 tiles take the immediate
+//     source-lane form (shfl_idx_seg3, the 80-row tile's), which ptxas/LLVM deduplicate: one
+//     shuffle per distinct column (16 per statistic at 64 columns) and no lane registers.
+#ifndef FA3_BWD_SMEM_SPACE
+#define FA3_BWD_SMEM_SPACE 0
+#endif
+#ifndef FA3_BWD_UNIFORM_WG
+#define FA3_BWD_UNIFORM_WG 0
+#endif
+#ifndef FA3_BWD_SHFL_SEG_LANE
+#define FA3_BWD_SHFL_SEG_LANE 0
+#endif
 // kDQSmem: dQ leaves the consumers through a shared-memory tile that a dedicated warp adds to the
 // fp32 accumulator with one bulk reduce-add per warpgroup (cp.reduce.async.bulk); false: the
 // consumers add it with float4 atomics (only where the smem tile does not fit: d >= 192).
@@ -137,6 +159,17 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 // by default (0 spills); FA3_BWD_HD128_FULL_OVERLAP_P=1 for the A/B.
 #ifndef FA3_BWD_HD128_FULL_OVERLAP_P
 #define FA3_BWD_HD128_FULL_OVERLAP_P 0
+#endif
+
+// dK/dV epilogue through shared memory and TMA stores (FA3_BWD_TMA_DKV=1; default 0: the GPU-tested
+// 4-byte global stores from the accumulator registers). Each consumer warp writes its 16 key rows
+// of dK (scaled) and dV with stmatrix into shared memory that is free by then (dK: a Q/dO stage no
+// step reads any more; dV: the warpgroup's own rows of V) and one lane issues TMA stores of (16,
+// head dim) boxes, which clip at seqlen_k. One-pass tiles only (kPasses == 1: hd64, 96, 128 and
+// the 80-row hd128 tile); hd192 (column passes) keeps the register stores: DKVStore below and
+// bwd_main.cuh (store_dkv_tma) say why each region is free.
+#ifndef FA3_BWD_TMA_DKV
+#define FA3_BWD_TMA_DKV 0
 #endif
 static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
               "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");
@@ -259,7 +292,13 @@ struct BwdTraitsT {
   // Statistics shuffles with an immediate source-lane base (bwd_main.cuh, shfl_idx_seg3): frees
   // the 8 registers of source lanes. The 80-row tile only, so the GPU-tested kernels keep their
   // SASS; a candidate for every tile.
-  static constexpr bool kShflSegLane = kNoBand;
+  static constexpr bool kShflSegLane = kNoBand || (FA3_BWD_SHFL_SEG_LANE && kDQSmem);
+  // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (see BwdTile above): the smem-dQ tiles (d <= 128);
+  // SMEM_SPACE also hd192 (atomic dQ; alone it adds no spill there: softcap keeps the default's
+  // 8 B, NOTES.md "Split-D (hd256) and hd192"), not the column-pass hd256 (FA3_BWD_HD256_SPLIT_D=0:
+  // its spills grow). With all three switches hd192 spilled 36/76 B, so UNIFORM_WG stays d <= 128.
+  static constexpr bool kSmemSpace = FA3_BWD_SMEM_SPACE && (kDQSmem || kHeadDim <= 192);
+  static constexpr bool kUniformWg = FA3_BWD_UNIFORM_WG && kDQSmem;
   static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
   static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 16 == 0 &&
                 (kBlockMSdP % 64 == 0 || (kBlockMSdP == kBlockM && kDQSwapAB)));
@@ -276,6 +315,10 @@ struct BwdTraitsT {
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
+  // FA3_BWD_TMA_DKV: dK/dV leave through shared memory and TMA (DKVStore below). Needs one pass
+  // (a pass > 0 has no dS barrier, so the warpgroups are not in step at its end) and a second Q/dO
+  // stage (the one the last step does not read).
+  static constexpr bool kTmaDKV = FA3_BWD_TMA_DKV != 0 && kPasses == 1 && kStages >= 2;
 
   // ---- shared-memory layouts (physical: row-major tiles, head_dim contiguous)
   // Q, dO: B operand of S^T/dP^T (K-major), and B of dK/dV through the transposed view
@@ -366,6 +409,58 @@ struct BwdLoads {
   static constexpr uint32_t kBytesK = Tr::kBlockN * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRow = Tr::kBlockM * sizeof(float);  // LSE or D of one query block
   static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+};
+
+// dK/dV through shared memory and TMA stores (FA3_BWD_TMA_DKV; bwd_main.cuh, store_dkv_tma), for
+// traits with kTmaDKV. Consumer warpgroup w stages its (64 keys, head dim) dK in the first 64 rows
+// of the free Q/dO stage (Q for w = 0, dO for w = 1) in a compact K-major layout, and its dV in its
+// own 64 rows of V, in V's layout. Both use V's swizzle atom (the widest that divides the head dim),
+// rows first, so row r of either starts r * kAtomCols elements in (a multiple of the swizzle period
+// for r % 8 == 0): warp k's 16 rows are a 16-row view at 16 k * kAtomCols, the TMA box is (atom
+// columns, 16 rows), head dim / atom columns boxes per tensor. Without kTmaDKV: empty placeholders.
+struct NoTmaStore {};
+template <class Tr, class = void> struct TraitsTmaDKV : std::false_type {};
+template <class Tr> struct TraitsTmaDKV<Tr, std::void_t<decltype(Tr::kTmaDKV)>> : std::bool_constant<Tr::kTmaDKV> {};
+template <class Tr, bool = TraitsTmaDKV<Tr>::value>
+struct DKVStore {
+  static constexpr bool kEnabled = false;
+  using TmaDK = NoTmaStore;
+  using TmaDV = NoTmaStore;
+};
+template <class Tr>
+struct DKVStore<Tr, true> {
+  static constexpr bool kEnabled = true;
+  using Element = typename Tr::Element;
+  static constexpr int kHeadDim = Tr::kHeadDim, kBlockN = Tr::kBlockN;
+  using Atom = typename Tr::AtomV;
+  static constexpr int kAtomCols = decltype(size<1>(Atom{}))::value;
+  static constexpr int kWarpRows = 16;  // key rows of one consumer warp (WGMMA C layout)
+  // Warpgroup tiles: dK compact (64, hd); dV = rows [64 w, 64 w + 64) of SmemLayoutV (offset kVHalf).
+  using SmemLayoutdK = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kHeadDim>>{}));
+  using SmemLayoutdV = decltype(composition(typename Tr::SmemLayoutV{},
+                                            make_layout(Shape<_64, Int<kHeadDim>>{}, Stride<_1, Int<kBlockN>>{})));
+  // One warp's 16 rows of each (offset kWarpOffset * warp).
+  using SmemLayoutdK16 = decltype(composition(SmemLayoutdK{},
+                                              make_layout(Shape<_16, Int<kHeadDim>>{}, Stride<_1, _64>{})));
+  using SmemLayoutdV16 = decltype(composition(typename Tr::SmemLayoutV{},
+                                              make_layout(Shape<_16, Int<kHeadDim>>{}, Stride<_1, Int<kBlockN>>{})));
+  static constexpr int kVHalf = 64 * kAtomCols;                  // elements: V row 64
+  static constexpr int kWarpOffset = kWarpRows * kAtomCols;      // elements: row 16 of either tile
+  static constexpr int kStageElems = Tr::kBlockM * kHeadDim;     // one Q (or dO) stage
+  // A swizzle period is one atom (8 rows): the warp and warpgroup offsets are whole atoms, so the
+  // views and the TMA (which swizzles by address bits) see the pattern the layouts describe.
+  static_assert(kHeadDim % kAtomCols == 0 && kWarpRows % 8 == 0 && kVHalf % (8 * kAtomCols) == 0);
+  static_assert(cosize_v<SmemLayoutdK> <= kStageElems, "dK of a warpgroup must fit in one Q stage");
+  static_assert((kStageElems * int(sizeof(Element))) % 1024 == 0, "stages 1024-byte aligned");
+  // One warpgroup's slice of the dV/dK GEMM (its C layout is thread t_in_wg's part of MmadKV's
+  // warpgroup w rows): the stmatrix tiling of the epilogue.
+  using MmaWg = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<Tr::kHdPass>, Int<Tr::kBlockMSdP>>,
+                           GMMA::Major::K, GMMA::Major::MN>()));
+  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
+                                       Stride<int64_t, _1, int64_t, int64_t>{}));
+  using TmaDK = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensor>(), SmemLayoutdK16{}));
+  using TmaDV = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensor>(), SmemLayoutdV16{}));
 };
 
 }  // namespace bwd

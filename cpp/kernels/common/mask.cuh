@@ -49,6 +49,15 @@ struct BandMask {
            n0 + block_n <= seqlen_k;
   }
 
+  // block_is_interior(row_lo, row_hi, n0, block_n) as n0_lo <= n0 <= n0_hi for n0 >= 0, so that
+  // a kernel computes the bounds once per tile and tests each block with two compares (forward
+  // switch FA3_FWD_CAUSAL_MASK_1CMP). 32-bit as right_bound_only_from (row_hi < seqlen_q).
+  CUTE_HOST_DEVICE void interior_key_range(int row_lo, int row_hi, int block_n, int& n0_lo,
+                                           int& n0_hi) const {
+    n0_lo = max(row_hi + offset() - left, 0);
+    n0_hi = max(min(row_lo + offset() + right - block_n + 1, seqlen_k - block_n), -1);
+  }
+
   // Sets to -inf the scores of a (rows, cols) register view whose element (r, c) is the score
   // of query row0 + row_of(r) and key col0 + col_of(c); `coord` is the identity tensor
   // partitioned and viewed like `scores`.
@@ -67,6 +76,52 @@ struct BandMask {
       for (int c = 0; c < size<1>(scores); ++c) {
         int j = get<1>(coord(r, c)) - get<1>(coord(0, 0));
         if (j < lo || j > hi) scores(r, c) = -INFINITY;
+      }
+    }
+  }
+
+  // One-compare form of apply() (forward switch FA3_FWD_CAUSAL_MASK_1CMP). True when, for every
+  // query row up to row_hi (the last row the caller masks, padding rows included) and every key
+  // from n0 on, neither the left bound nor the seqlen_k end can mask anything:
+  //   i + off - left <= n0 <= j           (the left bound reaches past the block's first key)
+  //   i + off + right <= seqlen_k - 1     (the right bound never passes the last key).
+  // Both sides grow with i, so row_hi decides. apply() then reduces to "key j is masked iff
+  // j > i + off + right", which apply_right() does with one compare per element. Holds on every
+  // masked block of causal problems (left unbounded, right = 0) whose rows all lie below
+  // seqlen_q (seqlen_q a multiple of 64, or not the last tile), whatever seqlen_k.
+  CUTE_HOST_DEVICE bool right_bound_only(int row_hi, int n0) const {
+    long long last = (long long)row_hi + offset();
+    return last - left <= n0 && last + right <= seqlen_k - 1;
+  }
+
+  // right_bound_only(row_hi, n0) as n0 >= right_bound_only_from(row_hi) for n0 >= 0: the first
+  // key from which it holds (0 when from the start, INT_MAX when never), computed once per tile.
+  // 32-bit: |left|, |right| <= 2^30 and row_hi < seqlen_q + 64, so with seqlen_q + seqlen_k
+  // below 2^30 - 64 (a GPU cannot hold the q, k, v, o of longer sequences) nothing overflows.
+  CUTE_HOST_DEVICE int right_bound_only_from(int row_hi) const {
+    int last = row_hi + offset();
+    return last + right > seqlen_k - 1 ? 0x7fffffff : max(last - left, 0);
+  }
+
+  // The mask of apply() where right_bound_only(row0 + last row of coord, col0) holds, with one
+  // integer compare per distinct (column - row) offset: element (r, c) is masked iff
+  // dj - dr > hi, with dj, dr its compile-time column / row offsets from the thread's first
+  // element and hi one register. The accumulator rows of a thread are 8 apart and its columns
+  // come in pairs 8 apart, so row r + 1's compares are row r's shifted by one column group:
+  // 34 compares for 64 elements (WGMMA 64 x 128), instead of two per element.
+  template <class TS, class TC>
+  CUTE_HOST_DEVICE void apply_right(TS& scores, TC const& coord, int row0, int col0) const {
+    int const i0 = row0 + get<0>(coord(0, 0));
+    // Last visible key of the thread's first row, relative to its first column. No int
+    // overflow: i0 + off + right <= seqlen_k - 1 and right >= -2^30.
+    int const hi = i0 + offset() + right - (col0 + get<1>(coord(0, 0)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(scores); ++r) {
+      int const dr = get<0>(coord(r, 0)) - get<0>(coord(0, 0));
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        int const dj = get<1>(coord(r, c)) - get<1>(coord(0, 0));
+        if (dj - dr > hi) scores(r, c) = -INFINITY;
       }
     }
   }

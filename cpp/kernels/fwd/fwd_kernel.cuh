@@ -40,6 +40,13 @@
 #ifndef FA3_FWD_DYNAMIC_BANDED
 #define FA3_FWD_DYNAMIC_BANDED 1  // 0: banded problems with one CTA per tile (no tile counter)
 #endif
+#ifndef FA3_FWD_O_STORE_8B
+#define FA3_FWD_O_STORE_8B 0  // 1: direct O epilogue with 8-byte stores (one quad shuffle per pair)
+#endif
+#ifndef FA3_FWD_CAUSAL_MASK_1CMP
+#define FA3_FWD_CAUSAL_MASK_1CMP 0  // 1: banded masked blocks where only the right bound cuts
+                                    //    (causal diagonal) take a one-compare mask
+#endif
 
 namespace fa3 {
 
@@ -337,13 +344,38 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     if (n_begin >= n_end) release_q();  // no key: Q is never read
     if (n_begin < n_end) {
       float alpha[kRows];
+      // FA3_FWD_CAUSAL_MASK_1CMP: masked blocks from key n0_1cmp on take the one-compare mask,
+      // and the interior test compares with per-tile bounds (32-bit, once per block) instead
+      // of block_is_interior's 64-bit arithmetic per block.
+      int n0_1cmp = 0, n0_int_lo = 0, n0_int_hi = 0;
+      if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0) {
+        n0_1cmp = p.mask.right_bound_only_from(wrow_lo + 63);
+        p.mask.interior_key_range(wrow_lo, wrow_hi, T::kBlockN, n0_int_lo, n0_int_hi);
+      }
 
       auto apply_mask = [&](int n) __attribute__((always_inline)) {
-        if constexpr (T::kBanded) p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
-        else p.mask.apply_seqlen_k(S, cS, n * T::kBlockN);
+        if constexpr (T::kBanded) {
+          // FA3_FWD_CAUSAL_MASK_1CMP: where neither the left bound nor the seqlen_k end can cut
+          // into the block for any of the warpgroup's 64 rows (padding rows included), the
+          // two-bound compare reduces to one (mask.cuh, right_bound_only / apply_right); the
+          // same elements are masked either way. The test is one compare per block against a
+          // per-tile threshold (a per-block right_bound_only() cost 11 uniform instructions on
+          // every block, interior ones included, in the hd128 SASS).
+          if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0) {
+            if (n * T::kBlockN >= n0_1cmp) {
+              p.mask.apply_right(S, cS, wrow_lo, n * T::kBlockN);
+              return;
+            }
+          }
+          p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
+        } else {
+          p.mask.apply_seqlen_k(S, cS, n * T::kBlockN);
+        }
       };
 
       auto interior = [&](int n) {
+        if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0)
+          return n * T::kBlockN >= n0_int_lo && n * T::kBlockN <= n0_int_hi;
         return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
       };
 
@@ -443,6 +475,34 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       Tensor cO = rowcol_view(thr_pv.partition_C(make_identity_tensor(Shape<_64, D>{})));
       Element* o_bh = p.out + (int64_t(c.batch) * p.seqlen_q * p.heads_q + c.head) * T::kHeadDim;
       int64_t const row_stride = int64_t(p.heads_q) * T::kHeadDim;
+      if constexpr (FA3_FWD_O_STORE_8B != 0 && size<1>(decltype(O){}) % 4 == 0) {
+        // 8-byte stores: thread q of a quad holds column pairs 8k + 2q (k = 0, 1, ...). Threads
+        // q and q ^ 1 swap one pair per two k: the even one (b = 0) stores its pair of k and its
+        // partner's, columns 8k + 2q .. + 3; the odd one those of k + 1 at 8 (k + 1) + 2q - 2.
+        // A quad then writes 2 x 16 contiguous bytes per row and instruction (full 32-byte
+        // sectors; the 4-byte stores wrote each sector in two halves), with half the stores.
+        // The shuffles run on every lane (rows past seqlen_q only skip the stores).
+        int const b = tid & 1;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          int row = wrow_lo + get<0>(cO(r, 0));
+          Element* o_row = o_bh + row * row_stride + get<1>(cO(r, 0)) + (b ? 6 : 0);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(O); j += 4) {
+            cutlass::Array<Element, 2> w0, w1;
+            w0[0] = Element(O(r, j));
+            w0[1] = Element(O(r, j + 1));
+            w1[0] = Element(O(r, j + 2));
+            w1[1] = Element(O(r, j + 3));
+            uint32_t u0 = reinterpret_cast<uint32_t&>(w0), u1 = reinterpret_cast<uint32_t&>(w1);
+            uint32_t got = __shfl_xor_sync(0xffffffffu, b ? u0 : u1, 1);
+            uint2 v = b ? make_uint2(got, u1) : make_uint2(u0, got);
+            // Column of pair j / 2 is get<1>(cO(r, j)) = that of pair 0 + 4 j (checked in
+            // host_checks/o_store_check.cu).
+            if (row < p.seqlen_q) *reinterpret_cast<uint2*>(o_row + 4 * j) = v;
+          }
+        }
+      } else {
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {
         int row = wrow_lo + get<0>(cO(r, 0));
@@ -456,6 +516,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
             *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
           }
         }
+      }
       }
     } else {
       Tensor rO = make_tensor<Element>(tOrO.layout());

@@ -90,6 +90,10 @@ struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N,
                            FA3_FWD_HD128_BANDED_N == 128 ? FA3_FWD_HD128_BANDED_STAGES : 2, true, true>;
+  // FA3_FWD_PAD_AWARE=1 (fwd_pad_prefers_narrow): unbanded problems whose key length 176 divides
+  // badly run the banded tile, which needs no band (block_is_interior then holds for every block
+  // but a ragged last one, whose mask keeps only the seqlen_k bound). No extra kernel.
+  using narrow = banded;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Build switches for the next A/B, both compiled
@@ -113,9 +117,19 @@ struct FwdTileTableLarge {
 template <typename E>
 struct FwdTileTable<E, 192> : FwdTileTableLarge<E, 192, 96> {};
 // d = 256: 128 x 80 is what smem allows with 2 stages: 64 + 2 x 2 x 40 = 224 KB; registers
-// O 128 + S 40 + P 20.
+// O 128 + S 40 + P 20. Its blocks divide no power of two: 512 keys are 7 blocks = 560 keys of
+// work (+9.4%), 1k-4k +1.6%. FA3_FWD_HD256_BLOCK_N=64 (64 + 2 x 2 x 32 = 192 KB; 3 stages would
+// need 256 KB, so still 2; O 128 + S 32 + P 16) runs every d = 256 problem, causal too, at
+// 128 x 64; FA3_FWD_PAD_AWARE=1 adds a 128 x 64 kernel (`narrow`) for the unbanded problems
+// where the padded work outweighs the extra blocks (fwd_pad_prefers_narrow: 512 keys).
+#ifndef FA3_FWD_HD256_BLOCK_N
+#define FA3_FWD_HD256_BLOCK_N 80
+#endif
 template <typename E>
-struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {};
+struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, FA3_FWD_HD256_BLOCK_N> {
+  // Named only; compiled only where run_fwd_impl takes it (FA3_FWD_PAD_AWARE=1).
+  using narrow = typename FwdTileTableLarge<E, 256, 64>::full;
+};
 
 // Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
 // tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
@@ -225,11 +239,58 @@ inline int64_t band_width(const FwdParams& fp) {
   return std::min<int64_t>(w, fp.shape.seqlen_k);
 }
 
+// Padded work of the ragged last key block (FA3_FWD_PAD_AWARE=1; off by default until an H200
+// A/B decides). A key block is computed in full, its keys past seqlen_k included (TMA fills
+// zeros, the GEMMs run the whole block, the mask sets those scores to -inf): at seqlen_k = 512,
+// d = 128's 128 x 176 tile does 3 blocks = 528 keys of work (+3.1%, also at 1k-4k; +1.0% at
+// 8k-16k), d = 256's 128 x 80 tile 7 blocks = 560 (+9.4%; +1.6% at 1k-4k, +0.6% at 8k). A
+// narrower tile that divides seqlen_k wastes nothing but runs more blocks, each with a fixed
+// cost (pipeline waits, GEMM issue and drain, the O rescale vote): model a tile's time per query
+// row as blocks x (kBlockN + kFwdPadBlockKeys), that fixed cost counted in key columns, and take
+// the narrow tile when it is cheaper. Break-even costs: d = 128 (176 vs 128) 16 keys at 512-4k,
+// 4.7 at 8k-16k; d = 256 (80 vs 64) 48 at 512, 5.3 at 1k-4k, 1.9 at 8k. With the default 8:
+// narrow at d = 128 512-4k and d = 256 512, the wide tile elsewhere (NOTES.md, "Session 6:
+// padded work"). Same query tile both ways (kBlockM 128), so only the key side differs.
+#ifndef FA3_FWD_PAD_AWARE
+#define FA3_FWD_PAD_AWARE 0
+#endif
+#ifndef FA3_FWD_PAD_BLOCK_KEYS
+#define FA3_FWD_PAD_BLOCK_KEYS 8
+#endif
+constexpr bool kFwdPadAware = FA3_FWD_PAD_AWARE != 0;
+constexpr int64_t kFwdPadBlockKeys = FA3_FWD_PAD_BLOCK_KEYS;
+
+inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n) {
+  if (narrow_n >= wide_n) return false;
+  int64_t wide_blocks = (seqlen_k + wide_n - 1) / wide_n;
+  int64_t narrow_blocks = (seqlen_k + narrow_n - 1) / narrow_n;
+  return narrow_blocks * (narrow_n + kFwdPadBlockKeys) < wide_blocks * (wide_n + kFwdPadBlockKeys);
+}
+
+// A table's narrower tile for unbanded problems (`narrow`), where it has one; else `full`.
+template <class Table, class = void>
+struct NarrowTile {
+  using type = typename Table::full;
+};
+template <class Table>
+struct NarrowTile<Table, std::void_t<typename Table::narrow>> {
+  using type = typename Table::narrow;
+};
+
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
-  if (!band_limits_work(fp.shape, fp.opts)) return launch_fwd<typename Table::full>(fp, stream);
+  if (!band_limits_work(fp.shape, fp.opts)) {
+    if constexpr (kFwdPadAware) {
+      using Full = typename Table::full;
+      using Narrow = typename NarrowTile<Table>::type;
+      static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
+      if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN))
+        return launch_fwd<Narrow>(fp, stream);
+    }
+    return launch_fwd<typename Table::full>(fp, stream);
+  }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
   return launch_fwd<typename Table::banded>(fp, stream);
