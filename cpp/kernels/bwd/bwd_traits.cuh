@@ -44,8 +44,9 @@ using namespace cute;
 //   kStagesdS dS buffers (2 lets the next step write dS while the other warpgroup still reads)
 template <int kHeadDim> struct BwdTile;
 // Consumer-loop code quality (session 6, from the SASS against FA3's hd128 causal kernel; see
-// NOTES.md "Session 6: ours vs FA3 at hd128 causal, SASS"). All off by default, so the
-// GPU-tested kernels keep their SASS; each changes only how ptxas sees the same computation:
+// NOTES.md "Session 6: ours vs FA3 at hd128 causal, SASS"). All on by default since session 7
+// (H200 A/B with tma-dkv: hd128 +2..+15%, hd64 +2..+10%, hd256 level); 0 gives the earlier
+// SASS. Each changes only how ptxas sees the same computation:
 //   FA3_BWD_SMEM_SPACE=1: the SharedStorage reference keeps the provenance of the __shared__
 //     array (1024 B rounding by an offset, not through an integer), so the statistics loads and
 //     the dQ tile stores are LDS/STS instead of generic LD.E/ST.E (which go through the LSU's
@@ -57,13 +58,13 @@ template <int kHeadDim> struct BwdTile;
 //     source-lane form (shfl_idx_seg3, the 80-row tile's), which ptxas/LLVM deduplicate: one
 //     shuffle per distinct column (16 per statistic at 64 columns) and no lane registers.
 #ifndef FA3_BWD_SMEM_SPACE
-#define FA3_BWD_SMEM_SPACE 0
+#define FA3_BWD_SMEM_SPACE 1
 #endif
 #ifndef FA3_BWD_UNIFORM_WG
-#define FA3_BWD_UNIFORM_WG 0
+#define FA3_BWD_UNIFORM_WG 1
 #endif
 #ifndef FA3_BWD_SHFL_SEG_LANE
-#define FA3_BWD_SHFL_SEG_LANE 0
+#define FA3_BWD_SHFL_SEG_LANE 1
 #endif
 // kDQSmem: dQ leaves the consumers through a shared-memory tile that a dedicated warp adds to the
 // fp32 accumulator with one bulk reduce-add per warpgroup (cp.reduce.async.bulk); false: the
@@ -161,15 +162,15 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #define FA3_BWD_HD128_FULL_OVERLAP_P 0
 #endif
 
-// dK/dV epilogue through shared memory and TMA stores (FA3_BWD_TMA_DKV=1; default 0: the GPU-tested
-// 4-byte global stores from the accumulator registers). Each consumer warp writes its 16 key rows
+// dK/dV epilogue through shared memory and TMA stores (FA3_BWD_TMA_DKV=1, the default since session 7's
+// H200 A/B; 0: the 4-byte global stores from the accumulator registers). Each consumer warp writes its 16 key rows
 // of dK (scaled) and dV with stmatrix into shared memory that is free by then (dK: a Q/dO stage no
 // step reads any more; dV: the warpgroup's own rows of V) and one lane issues TMA stores of (16,
 // head dim) boxes, which clip at seqlen_k. One-pass tiles only (kPasses == 1: hd64, 96, 128 and
 // the 80-row hd128 tile); hd192 (column passes) keeps the register stores: DKVStore below and
 // bwd_main.cuh (store_dkv_tma) say why each region is free.
 #ifndef FA3_BWD_TMA_DKV
-#define FA3_BWD_TMA_DKV 0
+#define FA3_BWD_TMA_DKV 1
 #endif
 static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
               "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");

@@ -41,11 +41,11 @@
 #define FA3_FWD_DYNAMIC_BANDED 1  // 0: banded problems with one CTA per tile (no tile counter)
 #endif
 #ifndef FA3_FWD_O_STORE_8B
-#define FA3_FWD_O_STORE_8B 0  // 1: direct O epilogue with 8-byte stores (one quad shuffle per pair)
+#define FA3_FWD_O_STORE_8B 1  // direct O epilogue with 8-byte stores (one quad shuffle per pair); 0: 4-byte
 #endif
 #ifndef FA3_FWD_CAUSAL_MASK_1CMP
-#define FA3_FWD_CAUSAL_MASK_1CMP 0  // 1: banded masked blocks where only the right bound cuts
-                                    //    (causal diagonal) take a one-compare mask
+#define FA3_FWD_CAUSAL_MASK_1CMP 1  // banded masked blocks where only the right bound cuts
+                                    // (causal diagonal) take a one-compare mask; 0: two bounds
 #endif
 
 namespace fa3 {

@@ -239,8 +239,8 @@ inline int64_t band_width(const FwdParams& fp) {
   return std::min<int64_t>(w, fp.shape.seqlen_k);
 }
 
-// Padded work of the ragged last key block (FA3_FWD_PAD_AWARE=1; off by default until an H200
-// A/B decides). A key block is computed in full, its keys past seqlen_k included (TMA fills
+// Padded work of the ragged last key block (FA3_FWD_PAD_AWARE=1, the default since session 7's
+// H200 A/B: hd256 non-causal 512 +14%). A key block is computed in full, its keys past seqlen_k included (TMA fills
 // zeros, the GEMMs run the whole block, the mask sets those scores to -inf): at seqlen_k = 512,
 // d = 128's 128 x 176 tile does 3 blocks = 528 keys of work (+3.1%, also at 1k-4k; +1.0% at
 // 8k-16k), d = 256's 128 x 80 tile 7 blocks = 560 (+9.4%; +1.6% at 1k-4k, +0.6% at 8k). A
@@ -252,7 +252,7 @@ inline int64_t band_width(const FwdParams& fp) {
 // narrow at d = 128 512-4k and d = 256 512, the wide tile elsewhere (NOTES.md, "Session 6:
 // padded work"). Same query tile both ways (kBlockM 128), so only the key side differs.
 #ifndef FA3_FWD_PAD_AWARE
-#define FA3_FWD_PAD_AWARE 0
+#define FA3_FWD_PAD_AWARE 1
 #endif
 #ifndef FA3_FWD_PAD_BLOCK_KEYS
 #define FA3_FWD_PAD_BLOCK_KEYS 8
