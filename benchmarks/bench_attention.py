@@ -12,8 +12,10 @@ seqlen 512..16384, causal and not, head dims 64/128/256.
 FLOPs: forward 4 * batch * heads * unmasked_pairs * head_dim; backward 2.5x that.
 
 How it times: each measurement jit-compiles a `lax.fori_loop` of N dependent calls (each
-iteration feeds one element of its output back into q, so XLA can neither hoist nor drop a
-call), so Python dispatch is out of the figure. N is a compile-time constant: XLA then knows
+iteration's q passes an optimization barrier together with one element of the previous
+result, so XLA can neither hoist nor drop a call, and nothing else runs per call: the earlier
+feed-back, `q.at[0, 0, 0, 0].add(...)`, made XLA copy all of q per call, ~42 us at these
+sizes), so Python dispatch is out of the figure. N is a compile-time constant: XLA then knows
 the trip count and runs the loop body N times back to back; with a traced N, XLA's GPU while
 loop copies the loop condition to the host and waits for it at every iteration (a bubble per
 call, and figures that move with the host's load). A 2-call loop gives the time per call, N is
@@ -76,10 +78,17 @@ def attention_fn(impl: str, causal: bool):
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def feed_back(q, out):
-    """q with one element nudged by out (times zero): a data dependence between iterations."""
-    nudge = (out[0, 0, 0, 0] * 0).astype(q.dtype)
-    return q.at[0, 0, 0, 0].add(nudge)
+def chained(x, token):
+    """x, made to depend on `token` (a scalar from the previous call's result) through an
+    optimization barrier: the next call cannot start before the previous one ended, nor be
+    hoisted out of the loop, and x is not touched (no copy of it per call)."""
+    x, _ = jax.lax.optimization_barrier((x, token))
+    return x
+
+
+def first_element(*arrays):
+    """A float32 scalar that depends on every array (so none of them can be dropped)."""
+    return sum(a.reshape(-1)[0].astype(jnp.float32) for a in arrays)
 
 
 def make_loop(fn, direction: str, q, k, v, dout=None):
@@ -89,9 +98,10 @@ def make_loop(fn, direction: str, q, k, v, dout=None):
     if direction == "fwd":
         @functools.partial(jax.jit, static_argnums=0)  # static n: a known trip count (docstring)
         def loop(n, q, k, v):
-            def body(_, q):
-                return feed_back(q, fn(q, k, v))
-            return jax.lax.fori_loop(0, n, body, q)
+            def body(_, carry):
+                q = chained(*carry)
+                return q, first_element(fn(q, k, v))
+            return jax.lax.fori_loop(0, n, body, (q, jnp.float32(0)))
         return (lambda n: loop(n, q, k, v)), (lambda: jax.jit(fn)(q, k, v))
 
     _, pullback = jax.vjp(fn, q, k, v)
@@ -100,10 +110,10 @@ def make_loop(fn, direction: str, q, k, v, dout=None):
 
     @functools.partial(jax.jit, static_argnums=0)
     def loop(n, pullback, dout):
-        def body(_, dout):
-            dq, _, _ = pullback(dout)
-            return feed_back(dout, dq)
-        return jax.lax.fori_loop(0, n, body, dout)
+        def body(_, carry):
+            dout = chained(*carry)
+            return dout, first_element(*pullback(dout))
+        return jax.lax.fori_loop(0, n, body, (dout, jnp.float32(0)))
     return (lambda n: loop(n, pullback, dout)), (lambda: jax.jit(lambda p, d: p(d)[0])(pullback, dout))
 
 
