@@ -87,8 +87,9 @@ def chained(x, token):
 
 
 def first_element(*arrays):
-    """A float32 scalar that depends on every array (so none of them can be dropped)."""
-    return sum(a.reshape(-1)[0].astype(jnp.float32) for a in arrays)
+    """A float32 scalar that depends on every array (so none of them can be dropped); an
+    index, not a reshape, so a sharded array is not gathered for it."""
+    return sum(a[(0,) * a.ndim].astype(jnp.float32) for a in arrays)
 
 
 def make_loop(fn, direction: str, q, k, v, dout=None):
