@@ -16,7 +16,12 @@
 # measure a variant pair both ways before trusting pipelined figures for a close call.
 # AB_REUSE=1 benchmarks a variant already built by scripts/suite_variants.sh (or an earlier run)
 # instead of building it again.
-# OUT_DIR gets ab.log and ab_tables.md (every variant's table, in order).
+# AB_ABBA=1 then benchmarks the variants again in reverse order (base, x, x, base), so a drift of
+# the card over the call cancels in the geometric mean (session 7: a comparison across two
+# runs, one with peers between our loops, was off by up to 7%).
+# OUT_DIR gets ab.log, ab_tables.md (every run's table, in order) and ab_summary.md (per point,
+# each variant's geometric mean over its runs and its ratio to the first variant:
+# benchmarks/ab_compare.py).
 set -uo pipefail
 OUT=${1:?usage: scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
 shift
@@ -50,12 +55,25 @@ run_all() {
       echo "variant $name: build failed"; tail -20 "/tmp/ab_$name.log"; status=1; continue
     fi
     grep -sE "built in|LDL/STL=[1-9]" "/tmp/ab_$name.log"
-    CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$name:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
-      --out /tmp/ab_results --tag "$name" ${BENCH_ARGS:-} 2>&1 | grep -v "^  " || status=1
-    cat /tmp/ab_results/*-"$name".md >>"$OUT/ab_tables.md" || status=1
+    bench "$name" || status=1
   done
   wait
+  if [ "${AB_ABBA:-0}" = 1 ]; then  # the same benchmarks again, last variant first
+    local names=() i
+    for spec in "$@"; do [ "$(cat "/tmp/ab_${spec%%=*}.rc" 2>/dev/null)" = 0 ] && names+=("${spec%%=*}"); done
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do
+      echo "== variant ${names[i]} (second round)"
+      bench "${names[i]}" || status=1
+    done
+  fi
+  python3 benchmarks/ab_compare.py "$OUT/ab_tables.md" --out "$OUT/ab_summary.md" || status=1
   return $status
+}
+
+bench() {  # bench NAME: the benchmark of /tmp/variant_NAME, its table appended to ab_tables.md
+  CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$1:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
+    --out /tmp/ab_results --tag "$1" ${BENCH_ARGS:-} 2>&1 | grep -v "^  " || return 1
+  cat /tmp/ab_results/*-"$1".md >>"$OUT/ab_tables.md"
 }
 
 run_all "$@" 2>&1 | tee "$OUT/ab.log"

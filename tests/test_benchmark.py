@@ -8,6 +8,7 @@ other implementations are checked against. Stand-in implementations replace the 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -100,3 +101,36 @@ def test_ring_scaling_smoke(tmp_path):
     assert {r["direction"] for r in ring} == {"fwd", "bwd"}
     assert all(r["efficiency"] > 0 and r["speedup_vs_one_gpu"] > 0 for r in ring)
     assert report_path.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_timing_loop_does_not_copy_its_input_per_call(point_inputs, direction):
+    # The loop's data dependence once cost a copy of all of q per call (q.at[...].add); the
+    # chain through an optimization barrier must not, and the call must stay in the loop body.
+    q, k, v = (x.astype(jnp.bfloat16) for x in point_inputs)  # as benchmarked (bf16)
+    run, _ = bench_attention.make_loop(bench_attention.attention_fn("exact", True), direction, q, k, v)
+    cells = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__)))
+    loop = cells["loop"]
+    args = (q, k, v) if direction == "fwd" else (cells["pullback"], cells["dout"])
+    hlo = loop.lower(4, *args).compile().as_text()
+    body_name = re.search(r"while\(.*body=%?([\w.\-]+)", hlo).group(1)
+    body = hlo[hlo.index(f"%{body_name} ("):]
+    body = body[:body.index("\n}\n")]
+    shape = "bf16[" + ",".join(map(str, q.shape)) + "]"
+    assert not [line for line in body.splitlines() if " copy(" in line and shape in line]
+    assert "fusion" in body or "dot(" in body  # the attention itself is computed in the body
+
+
+def test_ab_compare_takes_geometric_means_per_variant(tmp_path):
+    import ab_compare
+    def table(tag, tflops):
+        return (f"# Attention benchmark, x, heads*head_dim=2048, {tag} (TFLOP/s; ratios)\n\n"
+                "| dir | hd | causal | seqlen | jax_fa3 |\n|---|---|---|---|---|\n"
+                f"| fwd | 128 | yes | 512 | {tflops} |\n\n")
+    path = tmp_path / "ab_tables.md"
+    path.write_text(table("base", 100.0) + table("x", 120.0) + table("x", 130.0) + table("base", 110.0))
+    runs = ab_compare.read_runs([path])
+    assert [len(runs[n]) for n in ("base", "x")] == [2, 2]
+    row = ab_compare.summary(runs).splitlines()[2]
+    base, x = (100.0 * 110.0) ** 0.5, (120.0 * 130.0) ** 0.5
+    assert f"{base:.1f}" in row and f"{x:.1f}" in row and f"{x / base:.3f}" in row
