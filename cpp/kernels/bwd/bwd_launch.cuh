@@ -40,6 +40,13 @@ Workspace workspace_layout(const BwdParams& p) {
   return w;
 }
 
+// A (batch, seqlen, heads, head_dim) tensor as TMA sees it: (seqlen, head_dim, heads, batch).
+template <int kHeadDim, class T>
+auto bshd_view(T* ptr, int seqlen, int heads, int batch) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, kHeadDim, heads, batch),
+                     make_stride(int64_t(heads) * kHeadDim, _1{}, int64_t(kHeadDim), int64_t(seqlen) * heads * kHeadDim));
+}
+
 #if FA3_BWD_TMA_DKV
 // The dK or dV TMA store of MainParams (bwd_main.cuh, store_dkv_tma): over (seqlen_k, head_dim,
 // heads_kv, batch) with DKVStore's 16-row shared-memory view as the box; the empty placeholder for
@@ -49,11 +56,7 @@ auto dkv_tma_store(void* ptr, const AttentionShape& s) {
   using St = DKVStore<Tr>;
   using Tma = std::conditional_t<kDV, typename St::TmaDV, typename St::TmaDK>;
   if constexpr (St::kEnabled) {
-    using Element = typename Tr::Element;
-    auto g = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
-                         make_shape(s.seqlen_k, int(Tr::kHeadDim), s.heads_kv, s.batch),
-                         make_stride(int64_t(s.heads_kv) * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
-                                     int64_t(s.seqlen_k) * s.heads_kv * Tr::kHeadDim));
+    auto g = bshd_view<Tr::kHeadDim>(static_cast<typename Tr::Element*>(ptr), s.seqlen_k, s.heads_kv, s.batch);
     using SmemLayout = std::conditional_t<kDV, typename St::SmemLayoutdV16, typename St::SmemLayoutdK16>;
     return Tma(make_tma_copy(SM90_TMA_STORE{}, g, SmemLayout{}));
   } else {
@@ -67,10 +70,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
   using Element = typename Tr::Element;
   const auto& s = p.shape;
   auto gtensor = [&](const void* ptr, int seqlen, int heads) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_shape(seqlen, int(Tr::kHeadDim), heads, s.batch),
-                       make_stride(int64_t(heads) * Tr::kHeadDim, _1{}, int64_t(Tr::kHeadDim),
-                                   int64_t(seqlen) * heads * Tr::kHeadDim));
+    return bshd_view<Tr::kHeadDim>(static_cast<Element const*>(ptr), seqlen, heads, s.batch);
   };
   SoftmaxScale sc = SoftmaxScale::make(p.opts.softmax_scale, p.opts.softcap);
   MainParams<Tr> mp{

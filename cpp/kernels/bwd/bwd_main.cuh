@@ -240,6 +240,25 @@ enum : uint32_t {
 };
 constexpr int kDQBarThreads = 128 + 32;
 
+// A consumer thread's index ct (0..255), its warpgroup wg (0..1) and its thread t_in_wg in the
+// warpgroup. kUniformWg (FA3_BWD_UNIFORM_WG): wg through a shuffle, which ptxas knows is
+// warp-uniform, and ct built from it so that the MMA thread slices' (ct / 128) % 2 folds to wg:
+// the per-warpgroup WGMMA descriptors then live in uniform registers (no R2UR per step).
+template <bool kUniformWg>
+CUTE_DEVICE void consumer_thread(int& ct, int& wg, int& t_in_wg) {
+  if constexpr (kUniformWg) {
+    const unsigned wg_u = unsigned(cutlass::canonical_warp_group_idx()) - 1u;
+    __builtin_assume(wg_u < 2u);
+    wg = int(wg_u);
+    t_in_wg = int(threadIdx.x % 128u);
+    ct = int((wg_u << 7) | (threadIdx.x % 128u));
+  } else {
+    ct = threadIdx.x - 128;
+    wg = ct / 128;
+    t_in_wg = ct % 128;
+  }
+}
+
 // The kernel's shared storage at the first 1024-byte boundary of the dynamic smem window (the
 // swizzled TMA tiles need it). kSharedSpace (FA3_BWD_SMEM_SPACE): reach it by indexing the
 // __shared__ array, so the compiler keeps the shared space (LDS/STS for the statistics and the
@@ -453,21 +472,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     int m_begin, m_end;
     query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
     const bool has_work = m_end > m_begin;
-    int ct, wg, t_in_wg;  // consumer thread 0..255, its warpgroup 0..1, thread in the warpgroup
-    if constexpr (Tr::kUniformWg) {
-      // FA3_BWD_UNIFORM_WG: the warpgroup index through a shuffle (warp-uniform for ptxas), and
-      // ct built from it so that the MMA thread slices' (ct / 128) % 2 folds to it: the K, V and
-      // K^T descriptors of this warpgroup's slice then live in uniform registers (no R2UR).
-      const unsigned wg_u = unsigned(cutlass::canonical_warp_group_idx()) - 1u;
-      __builtin_assume(wg_u < 2u);
-      wg = int(wg_u);
-      t_in_wg = int(threadIdx.x % 128u);
-      ct = int((wg_u << 7) | (threadIdx.x % 128u));
-    } else {
-      ct = threadIdx.x - 128;
-      wg = ct / 128;
-      t_in_wg = ct % 128;
-    }
+    int ct, wg, t_in_wg;
+    consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
     Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Tr::SmemLayoutKt{});

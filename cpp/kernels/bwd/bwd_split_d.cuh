@@ -81,19 +81,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   int m_begin, m_end;
   query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-  int ct, t_in_wg;  // consumer thread 0..255, thread in its warpgroup
-  if constexpr (Tr::kUniformWg) {
-    // FA3_BWD_UNIFORM_WG (bwd_main_kernel's): the warpgroup index through a shuffle, so ptxas
-    // knows it is warp-uniform, and ct built from it so that the thread slices' (ct / 128) % 2
-    // folds to it: the per-warpgroup K, V, K^T, Q^T and dO^T descriptors become uniform.
-    const unsigned wg_u = unsigned(cutlass::canonical_warp_group_idx()) - 1u;
-    __builtin_assume(wg_u < 2u);
-    t_in_wg = int(threadIdx.x % 128u);
-    ct = int((wg_u << 7) | (threadIdx.x % 128u));
-  } else {
-    ct = threadIdx.x - 128;
-    t_in_wg = ct % 128;
-  }
+  int ct, wg, t_in_wg;  // wg unused here: the thread slices take it from ct
+  consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Tr::SmemLayoutQt{});

@@ -393,15 +393,17 @@ struct BwdTraitsT {
 // What the producer warp loads (bwd_main.cuh, load_kv_and_steps) for a traits class Tr, either
 // BwdTraits or SplitDTraits: the TMA copy types over the global tensors as TMA sees them,
 // (seqlen, head_dim, heads, batch), and the transaction bytes of K + V and of one Q/dO/LSE/D stage.
+// The type of a (batch, seqlen, heads, head_dim) tensor of T as TMA sees it, (seqlen, head_dim,
+// heads, batch): what bshd_view (bwd_launch.cuh) builds.
+template <class T>
+using BshdView = decltype(make_tensor(make_gmem_ptr(static_cast<T*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
+                                      Stride<int64_t, _1, int64_t, int64_t>{}));
+
 template <class Tr>
 struct BwdLoads {
   using Element = typename Tr::Element;
   template <class SmemLayout>
-  using Tma = decltype(make_tma_copy(
-      SM90_TMA_LOAD{},
-      make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
-                  Stride<int64_t, _1, int64_t, int64_t>{}),
-      SmemLayout{}));
+  using Tma = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<BshdView<Element const>>(), SmemLayout{}));
   using TmaQ = Tma<typename Tr::SmemLayoutQ1>;  // Q and dO: one stage
   using TmaK = Tma<typename Tr::SmemLayoutK>;
   using TmaV = Tma<typename Tr::SmemLayoutV>;
@@ -458,10 +460,8 @@ struct DKVStore<Tr, true> {
   using MmaWg = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<Tr::kHdPass>, Int<Tr::kBlockMSdP>>,
                            GMMA::Major::K, GMMA::Major::MN>()));
-  using GTensor = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), Shape<int32_t, int32_t, int32_t, int32_t>{},
-                                       Stride<int64_t, _1, int64_t, int64_t>{}));
-  using TmaDK = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensor>(), SmemLayoutdK16{}));
-  using TmaDV = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensor>(), SmemLayoutdV16{}));
+  using TmaDK = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<BshdView<Element>>(), SmemLayoutdK16{}));
+  using TmaDV = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<BshdView<Element>>(), SmemLayoutdV16{}));
 };
 
 }  // namespace bwd

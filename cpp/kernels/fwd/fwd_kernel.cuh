@@ -502,21 +502,21 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
             if (row < p.seqlen_q) *reinterpret_cast<uint2*>(o_row + 4 * j) = v;
           }
         }
-      } else {
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        int row = wrow_lo + get<0>(cO(r, 0));
-        if (row < p.seqlen_q) {
-          Element* o_row = o_bh + row * row_stride;
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(O); j += 2) {
-            cutlass::Array<Element, 2> pair;
-            pair[0] = Element(O(r, j));
-            pair[1] = Element(O(r, j + 1));
-            *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
+      } else {  // FA3_FWD_O_STORE_8B=0: 4-byte stores
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          int row = wrow_lo + get<0>(cO(r, 0));
+          if (row < p.seqlen_q) {
+            Element* o_row = o_bh + row * row_stride;
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < size<1>(O); j += 2) {
+              cutlass::Array<Element, 2> pair;
+              pair[0] = Element(O(r, j));
+              pair[1] = Element(O(r, j + 1));
+              *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
+            }
           }
         }
-      }
       }
     } else {
       Tensor rO = make_tensor<Element>(tOrO.layout());
