@@ -19,9 +19,12 @@ namespace bwd {
 
 // Workspace (each part 256-byte aligned), sq_pad = m_blocks * kBlockM:
 //   lse_log2 (b, hq, sq_pad) f32 | dpsum (b, hq, sq_pad) f32 | dq_accum (b, hq, sq_pad, d) f32 |
-//   dq_sem (b, hq, m_blocks) i32
+//   dq_sem (b, hq, m_blocks) i32 [| dq_arrive (b, hq, m_blocks) i32, FA3_BWD_FUSED_DQ]
 struct Workspace {
   size_t lse_off, dpsum_off, dq_off, sem_off, total;
+#if FA3_BWD_FUSED_DQ
+  size_t arrive_off;
+#endif
 };
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -36,7 +39,12 @@ Workspace workspace_layout(const BwdParams& p) {
   w.dpsum_off = align256(w.lse_off + rows * sizeof(float));
   w.dq_off = align256(w.dpsum_off + rows * sizeof(float));
   w.sem_off = align256(w.dq_off + rows * Tr::kHeadDim * sizeof(float));
+#if FA3_BWD_FUSED_DQ
+  w.arrive_off = align256(w.sem_off + bh * m_blocks * sizeof(int));
+  w.total = align256(w.arrive_off + bh * m_blocks * sizeof(int));
+#else
   w.total = align256(w.sem_off + bh * m_blocks * sizeof(int));
+#endif
   return w;
 }
 
@@ -101,6 +109,9 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
 #if FA3_BWD_TMA_DKV
       , dkv_tma_store<Tr, false>(p.dk, s), dkv_tma_store<Tr, true>(p.dv, s)
 #endif
+#if FA3_BWD_FUSED_DQ
+      , pp.dq_arrive, static_cast<Element*>(p.dq)
+#endif
   };
   auto kernel = [] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
@@ -111,10 +122,9 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
       err != cudaSuccess)
     return err;
   // FA3_BWD_LPT: one linear index per CTA, decoded in the longest-first section order (the
-  // split-D kernel decodes the 3D grid itself: it keeps it).
-  const dim3 grid = FA3_BWD_LPT != 0 && !IsSplitD<Tr>::value
-                        ? dim3(mp.order.num_tiles())
-                        : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
+  // split-D kernel keeps the 3D grid unless FA3_BWD_HD256_LPT).
+  constexpr bool kLinear = IsSplitD<Tr>::value ? FA3_BWD_HD256_LPT != 0 : FA3_BWD_LPT != 0;
+  const dim3 grid = kLinear ? dim3(mp.order.num_tiles()) : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
   kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
   return cudaGetLastError();
 }
@@ -163,6 +173,14 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   pp.heads_q = s.heads_q;
   pp.m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   pp.softmax_scale = p.opts.softmax_scale;
+#if FA3_BWD_FUSED_DQ
+  // The converted traits (kFusedDQ): softcap calls launch TrCap, whose tile is Tr's.
+  static_assert(TraitsFusedDQ<Tr>::value == TraitsFusedDQ<TrCap>::value && Tr::kBlockM == TrCap::kBlockM);
+  pp.dq_arrive = reinterpret_cast<int*>(ws + w.arrive_off);
+  pp.seqlen_k = s.seqlen_k;
+  pp.window_left = p.opts.window_left;
+  pp.window_right = p.opts.window_right;
+#endif
 
   dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
   bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
@@ -170,8 +188,10 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, stream)
                                          : launch_main<Tr>(p, pp, stream);
   if (err != cudaSuccess) return err;
-  // TileDQSwapAB: the split-D traits (hd256) have no kDQSwapAB member.
-  if constexpr (TileDQSwapAB<Tr>::value) bwd_postprocess_dqt_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  // TileDQSwapAB: the split-D traits (hd256) have no kDQSwapAB member. kFusedDQ: the main kernel
+  // wrote dQ (and the preprocess the blocks that no key block touches).
+  if constexpr (TraitsFusedDQ<Tr>::value) return cudaSuccess;
+  else if constexpr (TileDQSwapAB<Tr>::value) bwd_postprocess_dqt_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   else bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   return cudaGetLastError();
 }

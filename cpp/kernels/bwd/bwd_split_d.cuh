@@ -59,8 +59,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     // ------------------------------------------------------------------ producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // main's producer, on this kernel's 3D grid (the launch keeps it: no FA3_BWD_LPT decode).
+      // main's producer, on this kernel's 3D grid (FA3_BWD_HD256_LPT: the 1D grid in bwd_order.cuh's
+      // longest-first section order; the launch picks the grid to match).
+#if FA3_BWD_HD256_LPT
+      int n_block, hk, b;
+      p.order.decode(int(blockIdx.x), n_block, hk, b);
+#else
       const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+#endif
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       int m_begin, m_end;
@@ -76,7 +82,12 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
   Storage& ss = consumer_storage();
+#if FA3_BWD_HD256_LPT
+  int n_block, hk, b;
+  p.order.decode(int(blockIdx.x), n_block, hk, b);
+#else
   const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+#endif
   const int group = p.heads_q / p.heads_kv;
   BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   int m_begin, m_end;
@@ -238,7 +249,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       }
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < Tr::kDQFrag / 4; ++j)
-        atomicAdd(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+        dq_add_f32x4(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
       if constexpr (kSepdO) {
         // dV^T (issued before dK^T) is the last reader of dO: free the slot now, so the next
         // step's dO load runs under dK^T, dQ chunk 1 and the next S. dK^T stays in flight.
@@ -262,7 +273,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       acc += (kBlockM * Tr::kHdChunk) / 4;  // chunk 1
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < Tr::kDQFrag / 4; ++j)
-        atomicAdd(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+        dq_add_f32x4(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
       if (p.deterministic) {
         __threadfence();
         cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);

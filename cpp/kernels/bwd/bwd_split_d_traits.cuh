@@ -35,6 +35,16 @@
 #define FA3_BWD_HD256_BLOCK_N 80
 #endif
 
+// Longest-first CTA order for split-D (FA3_BWD_HD256_LPT=1, the default since session 8, with
+// FA3_BWD_DQ_RED; NOTES.md "Session 7c"): the 1D grid and section order of bwd_order.cuh (FA3_BWD_LPT, which the other
+// head dims use) instead of the 3D grid. Causal hd256 CTAs run 1..128 steps (8k); in the 3D order
+// the longest CTA of the last (kv head, batch) starts in the last wave (tail model: 5.8-8.1% over
+// the ideal at 512-8k, 1.0-1.9% in section order). Without a band the section is 1: the same
+// order as the 3D grid.
+#ifndef FA3_BWD_HD256_LPT
+#define FA3_BWD_HD256_LPT 1
+#endif
+
 namespace fa3 {
 namespace bwd {
 

@@ -66,6 +66,41 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_SHFL_SEG_LANE
 #define FA3_BWD_SHFL_SEG_LANE 1
 #endif
+// FA3_BWD_STATS_LDS=1 (session 7a, default 0; NOTES.md "Session 7a"): the hd128 64-row tile
+//   (non-softcap) takes LSE and D as FA3 does: each thread loads its own 16 columns of a
+//   statistic with 8 LDS.64 into registers, LSE between the S^T/dP^T issue and the S^T wait, D
+//   after the exponentials and before the dP^T wait, so both land under a GEMM wait and the exp2
+//   and dS math start on registers (the shuffles sit on that path: 16 SHFL after each wait).
+//   28 more registers in the exp2 phase; with the cross-step dK overlap kept, ptxas fits them
+//   (0 spills): it converts P to bf16 before the dP^T wait instead of after it.
+#ifndef FA3_BWD_STATS_LDS
+#define FA3_BWD_STATS_LDS 0
+#endif
+// FA3_BWD_STATS_LDS_SMALL=1 (session 7d, default 0; NOTES.md "Session 7d"): the same per-thread
+//   LDS.64 statistics for the hd64 (128-row, two sub-steps; also the 64-row step) and hd96 tiles
+//   (non-softcap), each sub-step loading its own 64 columns. hd64 spends 64 SHFL per consumer
+//   warp-step there (of 725 instructions) and ~2x hd128's elementwise work per FLOP: the
+//   shuffles take 64 of the MIO queue's issues in the MUFU-heavy phases, LDS.64 with a 4-address
+//   broadcast takes 32.
+#ifndef FA3_BWD_STATS_LDS_SMALL
+#define FA3_BWD_STATS_LDS_SMALL 0
+#endif
+// FA3_BWD_MASK_ROWS=1 (session 7d, default 0; NOTES.md "Session 7d"): the per-step "does the band
+//   or the key bound cut this sub-step?" test as two 32-bit compares against a row range computed
+//   once per CTA (BandMask::interior_row_range) instead of block_is_interior's 64-bit arithmetic
+//   per sub-step: hd64's step loses the 54 uniform instructions at its top (between the dQ
+//   hand-off and the next S^T issue; ptxas recomputes the two bounds inside the first exp2 phase,
+//   ~10 instructions). Same booleans (host_checks/block_range_check.cu). The d <= 128 tiles.
+#ifndef FA3_BWD_MASK_ROWS
+#define FA3_BWD_MASK_ROWS 0
+#endif
+// FA3_BWD_DQ_TAIL_READ=1 (session 7a, default 0; every smem-dQ tile): the dQ writer leaves
+//   without waiting for its last two bulk reduce-adds to be performed in L2 (they have been read
+//   from shared memory, which is all the CTA's exit needs), as FA3's writer does: when the
+//   writer is the CTA's last warp, the next CTA on the SM starts ~1 us earlier.
+#ifndef FA3_BWD_DQ_TAIL_READ
+#define FA3_BWD_DQ_TAIL_READ 0
+#endif
 // kDQSmem: dQ leaves the consumers through a shared-memory tile that a dedicated warp adds to the
 // fp32 accumulator with one bulk reduce-add per warpgroup (cp.reduce.async.bulk); false: the
 // consumers add it with float4 atomics (only where the smem tile does not fit: d >= 192).
@@ -172,6 +207,38 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #ifndef FA3_BWD_TMA_DKV
 #define FA3_BWD_TMA_DKV 1
 #endif
+
+// dQ adds of the atomic paths (split-D hd256, hd192, FA3_BWD_DQ_ATOMIC) as reductions, not atomics
+// (FA3_BWD_DQ_RED=1, the default since session 8: hd256 backward +12..+28% on the H200; NOTES.md "Session 7c"). atomicAdd(float4*) is PTX
+// `atom.global.add.v4.f32`; ptxas turns an atom whose result is unused into REDG (no return) only
+// when no fence follows it, and the deterministic path's __threadfence() after the adds makes it
+// keep ATOMG.E.ADD.F32x4 (result to RZ) in every path: an atomic whose old value L2 sends back,
+// 16 B per lane, as much traffic L2 -> SM as the adds themselves. With the switch the adds are
+// `red.relaxed.gpu.global.add.v4.f32` (REDG.E.ADD.F32x4: the same relaxed gpu-scope add, FTZ.RN
+// like atom.add.f32, no return); the fence still orders them before the turn release.
+#ifndef FA3_BWD_DQ_RED
+#define FA3_BWD_DQ_RED 1
+#endif
+// dQ converted in the main kernel (FA3_BWD_FUSED_DQ=1; default 0: session 7b, suite-passed in session 8, A/B mixed): the
+// last CTA to add into a query block's fp32 dQ rows (a per-block arrival counter, set by the
+// preprocess to the number of key blocks that touch the block) scales and converts them, and the
+// postprocess kernel is not launched. Tiles with the smem dQ path, an unswapped dQ GEMM and room
+// for the staging buffer (kFusedDQ below: hd64, hd96, the 64-row hd128); the others (80-row hd128,
+// hd192, split-D hd256) keep the postprocess. bwd/NOTES.md "Session 7b" has the protocol and why
+// every dQ element is written exactly once. FA3_BWD_FUSED_DQ_DISCARD (default 1 with it): drop the
+// converted accumulator lines from L2 (discard.global.L2) so that they are never written back.
+#ifndef FA3_BWD_FUSED_DQ
+#define FA3_BWD_FUSED_DQ 0
+#endif
+#ifndef FA3_BWD_FUSED_DQ_DISCARD
+#define FA3_BWD_FUSED_DQ_DISCARD 1
+#endif
+// FA3_BWD_FUSED_DQ_LAG (1..4, default 1 as GPU-tested in session 8): how many steps after its adds
+// the dQ writer counts a block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each
+// count-down's result a step later. Session 8: at 1 the 64-row hd128 causal tile lost 8-19% from 2k.
+#ifndef FA3_BWD_FUSED_DQ_LAG
+#define FA3_BWD_FUSED_DQ_LAG 1
+#endif
 static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
               "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");
 struct BwdTileHd128Full {
@@ -187,6 +254,9 @@ template <class T, class = void> struct TileDQSwapAB : std::false_type {};
 template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
 template <class T, class = void> struct TileDQSplitM : std::false_type {};
 template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
+// kFusedDQ of a traits class (false where it does not say: the split-D traits).
+template <class T, class = void> struct TraitsFusedDQ : std::false_type {};
+template <class T> struct TraitsFusedDQ<T, std::void_t<decltype(T::kFusedDQ)>> : std::bool_constant<T::kFusedDQ> {};
 template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
 
@@ -294,6 +364,12 @@ struct BwdTraitsT {
   // the 8 registers of source lanes. The 80-row tile only, so the GPU-tested kernels keep their
   // SASS; a candidate for every tile.
   static constexpr bool kShflSegLane = kNoBand || (FA3_BWD_SHFL_SEG_LANE && kDQSmem);
+  // FA3_BWD_STATS_LDS (see the macro above): statistics as per-thread smem loads, no shuffles.
+  static constexpr bool kStatsLds = !kSoftcap && ((FA3_BWD_STATS_LDS && kHeadDim == 128 && kBlockM == 64) ||
+                                                  (FA3_BWD_STATS_LDS_SMALL && kHeadDim < 128 && kDQSmem));
+  // FA3_BWD_MASK_ROWS (see the macro above): the banded tiles' interior test per sub-step.
+  // The smem-dQ tiles only (d <= 128; hd192 / column-pass hd256 keep their SASS).
+  static constexpr bool kMaskRows = FA3_BWD_MASK_ROWS && !kNoBand && kDQSmem;
   // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (see BwdTile above): the smem-dQ tiles (d <= 128);
   // SMEM_SPACE also hd192 (atomic dQ; alone it adds no spill there: softcap keeps the default's
   // 8 B, NOTES.md "Split-D (hd256) and hd192"), not the column-pass hd256 (FA3_BWD_HD256_SPLIT_D=0:
@@ -316,6 +392,12 @@ struct BwdTraitsT {
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
+  // FA3_BWD_FUSED_DQ: the dQ writer's last adder converts (bwd_main.cuh, dq_writer_fused and
+  // dq_converter). The converter warp stages one warpgroup's fp32 tile (kDQWgFloats) at a time in
+  // kCvtBufs shared buffers: two where they fit (hd96, hd128: both halves load at once), one at
+  // hd64 (128 rows: 40 B short of two). The 80-row hd128 tile has 768 B free: no staging, no fusion.
+  static constexpr bool kFusedDQ = FA3_BWD_FUSED_DQ != 0 && kDQSmem && !kDQSwapAB && kStagesdS == 2;
+  static constexpr int kCvtBufs = kHeadDim == 64 ? 1 : 2;
   // FA3_BWD_TMA_DKV: dK/dV leave through shared memory and TMA (DKVStore below). Needs one pass
   // (a pass > 0 has no dS barrier, so the warpgroups are not in step at its end) and a second Q/dO
   // stage (the one the last step does not read).
@@ -384,6 +466,13 @@ struct BwdTraitsT {
     uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
+#if FA3_BWD_FUSED_DQ
+    // dQ converter (kFusedDQ): fp32 staging of one warpgroup tile per buffer, its bulk-load
+    // barriers, and the writer's mailbox (query head, query block, batch to convert; block -1: no more).
+    cute::array_aligned<float, kFusedDQ ? kCvtBufs * kDQWgFloats : 4, 128> cvt;
+    uint64_t cvt_full[2];
+    int cvt_mail[3];
+#endif
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;

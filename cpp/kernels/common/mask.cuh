@@ -49,6 +49,19 @@ struct BandMask {
            n0 + block_n <= seqlen_k;
   }
 
+  // block_is_interior(row_lo, row_hi, n0, block_n) for a fixed key block as
+  // row_lo >= row_min && row_hi <= row_max (0 <= row_lo <= row_hi < seqlen_q), so that the backward
+  // (keys fixed per CTA, query blocks stepped) computes the bounds once per CTA and tests each
+  // sub-step with two compares (switch FA3_BWD_MASK_ROWS): n0 >= row_hi + off - left and
+  // n0 + block_n - 1 <= row_lo + off + right solved for the rows; a key block that reaches past
+  // seqlen_k is never interior (row_min = 2^30 > any row). 32-bit, as right_bound_only_from below:
+  // 0 <= n0 < seqlen_k and |left|, |right| <= 2^30, so both bounds lie in (-seqlen_k - 2^30,
+  // seqlen_q + block_n + 2^30): no overflow while seqlen_q + seqlen_k < 2^30 - 64.
+  CUTE_HOST_DEVICE void interior_row_range(int n0, int block_n, int& row_min, int& row_max) const {
+    row_min = n0 + block_n > seqlen_k ? (1 << 30) : n0 + block_n - 1 - offset() - right;
+    row_max = n0 - offset() + left;
+  }
+
   // block_is_interior(row_lo, row_hi, n0, block_n) as n0_lo <= n0 <= n0_hi for n0 >= 0, so that
   // a kernel computes the bounds once per tile and tests each block with two compares (forward
   // switch FA3_FWD_CAUSAL_MASK_1CMP). 32-bit as right_bound_only_from (row_hi < seqlen_q).

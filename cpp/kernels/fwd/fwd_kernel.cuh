@@ -43,12 +43,30 @@
 #ifndef FA3_FWD_O_STORE_8B
 #define FA3_FWD_O_STORE_8B 1  // direct O epilogue with 8-byte stores (one quad shuffle per pair); 0: 4-byte
 #endif
+#ifndef FA3_FWD_Q_PREFETCH
+#define FA3_FWD_Q_PREFETCH 1  // 1: double-buffered Q (the next tile's Q loads a tile ahead) and the
+                              // producer publishes the decoded tile and key range (FwdTraits::kQPrefetch)
+#endif
 #ifndef FA3_FWD_CAUSAL_MASK_1CMP
 #define FA3_FWD_CAUSAL_MASK_1CMP 1  // banded masked blocks where only the right bound cuts
                                     // (causal diagonal) take a one-compare mask; 0: two bounds
 #endif
 
 namespace fa3 {
+
+// FA3_FWD_Q_PREFETCH: what the producer publishes per tile (t >= num_tiles: end marker).
+struct alignas(16) FwdTileInfo {
+  int t, m_block, head, batch;
+  int n_begin, n_end, pad0, pad1;
+};
+// Two Q buffers: q_full[b] completes when buffer b holds tile info[b] (Q landed, or a plain
+// arrival for a keyless tile / the end marker); q_empty[b] when every consumer warp is done with it.
+struct FwdQBuffers {
+  alignas(16) uint64_t full[2];
+  alignas(16) uint64_t empty[2];
+  FwdTileInfo info[2];
+};
+struct FwdNoQBuffers {};
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
           bool kPingPong_ = false, bool kBanded_ = true, int kExp2EmuEvery_ = 0>
@@ -82,6 +100,19 @@ struct FwdTraits {
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
+  // FA3_FWD_Q_PREFETCH (kDirectO only, and only where a second Q tile fits in shared memory:
+  // d = 64 and 96, not the 224 KB hd128 banded or 208 KB hd128 unbanded tiles; two consumer
+  // warpgroups only: the 3-warpgroup tiles spilled 20-28 bytes at 160 registers): two Q buffers
+  // used by alternate tiles, each with its q_full / q_empty barrier and a TileInfo slot. The
+  // producer loads tile i + 1's Q as soon as tile i - 1 has released that buffer (after its last
+  // Q K^T), i.e. about a tile ahead, instead of after tile i's last Q K^T; and it publishes the
+  // decoded tile and key range, so the consumers' tile start is an LDS instead of three integer
+  // divisions and the 64-bit key-range arithmetic (cpp/kernels/NOTES.md, "Session 7e").
+  static constexpr int kQTileBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVRingBytes = 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr bool kQPrefetch =
+      FA3_FWD_Q_PREFETCH != 0 && kDirectO && kNumMmaWG == 2 && 2 * kQTileBytes + kKVRingBytes + 1024 <= 227 * 1024;
+  static constexpr int kQBufs = kQPrefetch ? 2 : 1;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
   using D = Int<kHeadDim>;
@@ -95,7 +126,7 @@ struct FwdTraits {
 
   using SmemAtomQ = decltype(smem_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ1 = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D>{}));  // one slab
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG * kQBufs>>{}));
   using SmemAtomK = decltype(smem_atom_k_major<Element, kHeadDim>());
   using SmemLayoutK1 = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D>{}));  // one stage
   using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D, Int<kStages>>{}));
@@ -115,6 +146,9 @@ struct FwdTraits {
     int tile;                      // dynamic schedule: the tile of the q_full phase (>= num_tiles: end)
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
+    // kQPrefetch: per Q buffer its barriers and the tile it holds (last, and empty otherwise, so
+    // that the default kernels' layout is unchanged).
+    std::conditional_t<kQPrefetch, FwdQBuffers, FwdNoQBuffers> qb;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -247,6 +281,93 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
   }
 }
 
+// FA3_FWD_Q_PREFETCH producer (T::kQPrefetch): tile i of this CTA uses Q buffer b = i % 2. Per
+// tile: wait until tile i - 2 has released buffer b (q_empty[b], completion (i - 2) / 2; none
+// for i < 2), publish the tile (info[b]), load its Q into buffer b (q_full[b]), then its K / V
+// blocks into the rings as fwd_producer does. The wait for buffer b returns at once in the
+// steady state (tile i - 2 released it after its last Q K^T, before tile i - 1 started), so
+// the next tile's Q is issued as soon as this tile's K / V loads are, about a tile before it is
+// needed; and the next tile's K / V no longer wait for this tile's last Q K^T either.
+// Every schedule (static or dynamic) ends with an end marker in the next buffer, so the
+// consumers read the tile from info[b] always and never decode it.
+template <class T>
+CUTE_DEVICE void fwd_producer_qpf(typename T::Params const& p, typename T::SharedStorage& ss,
+                                  typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v) {
+  using D = typename T::D;
+  using BN = typename T::BN;
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+
+  auto k_state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  auto v_state = cutlass::make_producer_start_state<typename T::Pipeline>();
+  int i = 0;  // tiles of this CTA so far
+  int const num_tiles = p.sched.num_tiles();
+  // Wait until buffer i % 2 is free: tile i - 2 (completion (i - 2) / 2 of its q_empty) is done
+  // with it. Consumers arrive on q_empty[b] only after q_full[b] of that tile, so the barrier is
+  // never more than one completion ahead of this wait.
+  auto acquire_q = [&](int i) {
+    if (i >= 2) ClusterBarrier::wait(&ss.qb.empty[i & 1], ((i >> 1) + 1) & 1);
+  };
+  auto next_tile = [&](int t) {
+    if constexpr (T::kDynamicSchedule) {
+      if (p.tile_counter != nullptr) return int(gridDim.x) + atomicAdd(p.tile_counter, 1);
+    }
+    return t + int(gridDim.x);
+  };
+  for (int t = blockIdx.x; t < num_tiles; t = next_tile(t), ++i) {
+    TileCoord c = p.sched.decode(t);
+    int row_lo = c.m_block * T::kBlockM;
+    int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+    int n_begin, n_end;
+    p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
+    int const b = i & 1;
+    acquire_q(i);
+    FwdTileInfo& info = ss.qb.info[b];
+    info.t = t;
+    info.m_block = c.m_block;
+    info.head = c.head;
+    info.batch = c.batch;
+    info.n_begin = n_begin;
+    info.n_end = n_end;
+    if (n_begin >= n_end) {
+      // No visible key: nothing to load; the consumers write O = 0, LSE = -inf.
+      ClusterBarrier::arrive(&ss.qb.full[b]);
+      continue;
+    }
+    Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));  // (64, d, slabs)
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    TxBarrier::arrive_and_expect_tx(&ss.qb.full[b], T::kBlockM * T::kHeadDim * int(sizeof(typename T::Element)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int w = 0; w < T::kNumMmaWG; ++w)
+      copy(p.tma_q.with(ss.qb.full[b]), tQgQ(_, c.m_block * T::kNumMmaWG + w), tQsQ(_, b * T::kNumMmaWG + w));
+
+    int hk = c.head / p.group;
+    Tensor gK = local_tile(mK(_, _, hk, c.batch), Shape<BN, D>{}, make_coord(_, _0{}));  // (n, d, blocks)
+    Tensor gV = local_tile(mV(_, _, hk, c.batch), Shape<BN, D>{}, make_coord(_, _0{}));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    for (int n = n_end - 1; n >= n_begin; --n) {
+      pipe_k.producer_acquire(k_state);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(k_state)), tKgK(_, n), tKsK(_, k_state.index()));
+      ++k_state;
+      pipe_v.producer_acquire(v_state);
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(v_state)), tVgV(_, n), tVsV(_, v_state.index()));
+      ++v_state;
+    }
+  }
+  // End marker in the next buffer, for the static schedule too.
+  acquire_q(i);
+  ss.qb.info[i & 1].t = num_tiles;
+  ClusterBarrier::arrive(&ss.qb.full[i & 1]);
+}
+
 template <class T>
 CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedStorage& ss,
                               typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, int wg) {
@@ -266,7 +387,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   typename T::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQw);  // descriptors (MMA, 1, d/16)
+  Tensor tSrQ0 = thr_qk.partition_fragment_A(sQw);  // descriptors (MMA, 1, d/16)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, d/16, stages)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, n/16, stages)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
@@ -314,23 +435,55 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
 
   int const num_tiles = p.sched.num_tiles();
   bool const dynamic = T::kDynamicSchedule && p.tile_counter != nullptr;
+  int qi = 0;  // kQPrefetch: tiles of this CTA so far (tile qi uses Q buffer qi % 2)
   for (int t = blockIdx.x;; t += int(gridDim.x)) {
-    if (!dynamic && t >= num_tiles) break;
+    if (!T::kQPrefetch && !dynamic && t >= num_tiles) break;
     clear(tOrO);
     softmax.reset();
-    // Completed by the TMA of Q, or by a plain arrive for a tile without keys (or, dynamic
-    // schedule, for the end marker).
-    ClusterBarrier::wait(&ss.q_full, q_phase);
-    q_phase ^= 1;
-    if (dynamic) {
-      t = ss.tile;
+    TileCoord c;
+    int row_lo, row_hi, n_begin, n_end;
+    int qb = 0;  // this tile's Q buffer
+    if constexpr (T::kQPrefetch) {
+      // The producer published the tile (decoded, with its key range) before q_full[qb]'s
+      // arrival; it rewrites info[qb] only after every consumer warp's q_empty[qb] arrival of
+      // this tile, which comes after these reads.
+      // Through a shuffle so that ptxas knows qb is warp-uniform (as canonical_warp_group_idx
+      // does): without it the info / barrier addresses were vector registers and ptxas moved
+      // the consumers' descriptor and barrier arithmetic off the uniform datapath (+32 R2UR
+      // and 5 WARPSYNC per main-loop block).
+      qb = __shfl_sync(0xffffffffu, qi & 1, 0);
+      ClusterBarrier::wait(&ss.qb.full[qb], (qi >> 1) & 1);
+      ++qi;
+      int4 const i0 = *reinterpret_cast<int4 const*>(&ss.qb.info[qb].t);
+      int2 const i1 = *reinterpret_cast<int2 const*>(&ss.qb.info[qb].n_begin);
+      t = i0.x;
       if (t >= num_tiles) break;
+      c.m_block = i0.y;
+      c.head = i0.z;
+      c.batch = i0.w;
+      n_begin = i1.x;
+      n_end = i1.y;
+      row_lo = c.m_block * T::kBlockM;
+      row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+    } else {
+      // Completed by the TMA of Q, or by a plain arrive for a tile without keys (or, dynamic
+      // schedule, for the end marker).
+      ClusterBarrier::wait(&ss.q_full, q_phase);
+      q_phase ^= 1;
+      if (dynamic) {
+        t = ss.tile;
+        if (t >= num_tiles) break;
+      }
+      c = p.sched.decode(t);
+      row_lo = c.m_block * T::kBlockM;
+      row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
+      p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
     }
-    TileCoord c = p.sched.decode(t);
-    int row_lo = c.m_block * T::kBlockM;
-    int row_hi = min(row_lo + T::kBlockM, p.seqlen_q) - 1;
-    int n_begin, n_end;
-    p.mask.key_block_range(row_lo, row_hi, T::kBlockN, n_begin, n_end);
+    // This tile's Q slab descriptors (kQPrefetch: buffer qb).
+    auto tSrQ = [&]() {
+      if constexpr (T::kQPrefetch) return thr_qk.partition_fragment_A(sQ(_, _, qb * kWG + wg));
+      else return tSrQ0;
+    }();
     // This warpgroup's rows, for the interior test (rows past seqlen_q are never stored).
     int wrow_lo = row_lo + wg * 64;
     int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
@@ -338,7 +491,10 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // wgmma wait is warp-synchronous, so lane 0 arrives for the warp).
     auto release_q = [&]() {
       if constexpr (T::kDirectO) {
-        if (threadIdx.x % 32 == 0) ClusterBarrier::arrive(&ss.q_empty);
+        if (threadIdx.x % 32 == 0) {
+          if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
+          else ClusterBarrier::arrive(&ss.q_empty);
+        }
       }
     };
     if (n_begin >= n_end) release_q();  // no key: Q is never read
@@ -556,6 +712,12 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     // kDirectO: one arrival per consumer warp after its last Q K^T; else one per consumer
     // warpgroup after its O store has read the slab.
     cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kNumMmaWG * 4 : T::kNumMmaWG);
+    if constexpr (T::kQPrefetch) {
+      for (int b = 0; b < 2; ++b) {
+        cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);
+        cutlass::arch::ClusterBarrier::init(&ss.qb.empty[b], T::kNumMmaWG * 4);  // one per consumer warp
+      }
+    }
   }
   typename T::Pipeline::Params pp;
   pp.transaction_bytes = T::kBlockN * T::kHeadDim * int(sizeof(typename T::Element));
@@ -568,7 +730,11 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
+    if constexpr (T::kQPrefetch) {
+      if (threadIdx.x == 0) fwd_producer_qpf<T>(p, ss, pipe_k, pipe_v);
+    } else {
+      if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);

@@ -52,7 +52,8 @@ int main() {
     o.section = 1 + rand() % (total + 2);  // also wider than the head count
     if (it % 5 == 0) o.section = 1;
     std::vector<int> seen(o.num_tiles(), 0), last(total, -1);
-    const int sq = 1 + rand() % 3000, sk = o.n_blocks * 128 - rand() % 128;
+    const int bn = it % 2 ? 128 : 80;  // 80: the split-D hd256 key block (FA3_BWD_HD256_LPT)
+    const int sq = 1 + rand() % 3000, sk = o.n_blocks * bn - rand() % bn;
     BandMask causal{sq, sk, kUnbounded, 0};
     std::vector<int> prev_work(total + 1, 1 << 30);
     for (int l = 0; l < o.num_tiles(); ++l) {
@@ -67,7 +68,7 @@ int main() {
       if (n <= last[hb]) ++bad;                                   // 3
       last[hb] = n;
       const int sec = hb / o.section;
-      const int w = steps_of(causal, n, 128, 64, 1);
+      const int w = steps_of(causal, n, bn, 64, 1);
       if (w > prev_work[sec]) ++bad;                              // 4
       prev_work[sec] = w;
     }
@@ -92,10 +93,11 @@ int main() {
   // start ~ 3 steps: K/V load, first Q/dO, dK/dV epilogue (a guess; see NOTES).
   printf("model (132 SMs, causal, makespan in steps; LPT / default):\n");
   const double start = 3.0;
-  for (int hd : {64, 128}) {
+  for (int hd : {64, 128, 256}) {
+    const int bn = hd == 256 ? 80 : 128;  // hd256: split-D, 80 keys (FA3_BWD_HD256_LPT)
     for (int seq : {512, 1024, 2048, 4096, 8192, 16384}) {
       const int batch = 16384 / seq, heads = 2048 / hd;
-      const int nb = (seq + 127) / 128;
+      const int nb = (seq + bn - 1) / bn;
       BandMask causal{seq, seq, kUnbounded, 0};
       AttentionOptions causal_opts;
       causal_opts.window_right = 0;
@@ -106,10 +108,10 @@ int main() {
       for (int l = 0; l < def.num_tiles(); ++l) {
         int n, hk, b;
         def.decode(l, n, hk, b);
-        c_def.push_back(start + steps_of(causal, n, 128, 64, 1));
+        c_def.push_back(start + steps_of(causal, n, bn, 64, 1));
         work += c_def.back();
         lpt.decode(l, n, hk, b);
-        c_lpt.push_back(start + steps_of(causal, n, 128, 64, 1));
+        c_lpt.push_back(start + steps_of(causal, n, bn, 64, 1));
       }
       const double md = makespan(c_def, 132), ml = makespan(c_lpt, 132), ideal = work / 132;
       printf("  hd%-3d %5d: section %3d  default %7.1f (%.3f of ideal)  lpt %7.1f (%.3f)  speedup %.3f\n",
