@@ -442,10 +442,10 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
     }
     counted = blk;
   };
-  // The blocks of the last kLag steps, oldest first (-1: none yet).
-  int recent[kLag];
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kLag; ++i) recent[i] = -1;
+  // The block of step s, recomputed when it is counted down: a ring of the last kLag blocks
+  // spilled this 24-register warp at kLag = 3.
+  const int m_count = m_end - m_begin;
+  auto step_block = [&](int s) { return block(hk * group + s / m_count, m_begin + s % m_count); };
   // The step's (head, query block), in the consumers' order (query blocks innermost).
   int h = hk * group, m = m_begin;
   const long long first_key0 = (long long)m_begin * kBlockM + (p.seqlen_k - p.seqlen_q) - p.window_left;
@@ -484,23 +484,18 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
       red_release_add(p.dq_sem + blk, 1);
     }
     if constexpr (kLag > 1) settle();  // the count-down of a step ago has had a step to return
-    if (recent[0] >= 0) count_down(recent[0], cute::false_type{});
+    if (step >= kLag) count_down(step_block(step - kLag), cute::false_type{});
     if constexpr (kLag == 1) settle();
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i + 1 < kLag; ++i) recent[i] = recent[i + 1];
-    recent[kLag - 1] = blk;
     if (++m == m_end) {
       m = m_begin;
       ++h;
     }
   }
   settle();
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < kLag; ++i) {  // steps >= 1: the caller has work, so recent[kLag - 1] >= 0
-    if (recent[i] >= 0) {
-      count_down(recent[i], cute::true_type{});
-      settle();
-    }
+  #pragma unroll 1
+  for (int s = steps > kLag ? steps - kLag : 0; s < steps; ++s) {  // the last kLag steps' blocks
+    count_down(step_block(s), cute::true_type{});
+    settle();
   }
   post(-1);
 }
