@@ -21,7 +21,8 @@ loop copies the loop condition to the host and waits for it at every iteration (
 call, and figures that move with the host's load). A 2-call loop gives the time per call, N is
 chosen so one loop takes about --target-ms, and the N-call loop is compiled and warmed up.
 At each grid point all implementations are prepared first, then their loops take turns for
---repeats rounds (A, B, C, A, B, C, ...), so clock or host drift hits each alike; the median
+--repeats rounds, each starting one implementation later (A B C, B C A, C A B, ...), so clock
+or host drift hits each alike, and no one always has the first (coolest) slot; the median
 time / N is reported (every round's in the JSON as ms_rounds; the spread under the table).
 Backward: residuals come from one `jax.vjp` outside the loop; the loop calls the pullback
 (its own recomputation, if any, counts as backward time). Inputs are fresh normal random data
@@ -161,8 +162,9 @@ def cuda_version() -> str:
 
 def time_point(args, point: dict, q, k, v) -> list[dict]:
     """One grid point: every implementation that can run it is compiled, warmed up and
-    cross-checked first; then the timed loops take turns (impl A, B, C, A, B, C, ...) for
-    --repeats rounds, so a drift of the GPU's clocks or of the host hits every one alike.
+    cross-checked first; then the timed loops take turns for --repeats rounds, each round
+    starting one implementation later (A B C, B C A, ...), so a drift of the GPU's clocks or of
+    the host hits every one alike.
     Returns one record per implementation (median ms per call, TFLOP/s, cross-check)."""
     head_dim, seqlen, causal, direction = (point[x] for x in ("head_dim", "seqlen", "causal",
                                                                 "direction"))
@@ -202,8 +204,12 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
         del result
         ready.append((rec, run, n))
     samples = [[] for _ in ready]
-    for _ in range(args.repeats):
-        for i, (_, run, n) in enumerate(ready):
+    for r in range(args.repeats):
+        # Round r starts at implementation r (A B C, B C A, C A B, ...): the card slows as it heats
+        # within a point, so a fixed order would always hand the coolest slot to the first one.
+        for j in range(len(ready)):
+            i = (r + j) % len(ready)
+            _, run, n = ready[i]
             samples[i].append(sample_ms(run, n))
     for (rec, _, _), times in zip(ready, samples):
         ms = statistics.median(times)

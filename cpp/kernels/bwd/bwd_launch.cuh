@@ -138,9 +138,13 @@ struct TraitsTag {
 // The one choice of traits for a backward call, so that its workspace size, workspace layout,
 // pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256 under
-// FA3_BWD_HD256_SPLIT_D), except that with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems
-// without a band and without softcap run 80-row steps (BwdTraitsHd128Full; FA3 does the same;
-// its TrCap is never launched: softcap calls keep the 64-row kernel).
+// FA3_BWD_HD256_SPLIT_D), except that
+// - with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems without a band and without softcap run
+//   80-row steps (BwdTraitsHd128Full; FA3 does the same; its TrCap is never launched: softcap
+//   calls keep the 64-row kernel);
+// - with FA3_BWD_FUSED_DQ, the other problems with seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN run
+//   the fused-dQ kernel where the head dim has one (BwdTraitsFused): it wins there and loses on
+//   long sequences (bwd_traits.cuh).
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
 #if FA3_BWD_HD128_BLOCK_M_FULL
@@ -149,6 +153,14 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
+  }
+#endif
+#if FA3_BWD_FUSED_DQ
+  if constexpr (!IsSplitD<BwdTraitsFor<Element, kHeadDim, false>>::value &&
+                BwdTraitsFused<Element, kHeadDim, false>::kFusedDQ) {
+    if (p.shape.seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN)
+      return f(TraitsTag<BwdTraitsFused<Element, kHeadDim, false>>{},
+               TraitsTag<BwdTraitsFused<Element, kHeadDim, true>>{});
   }
 #endif
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},

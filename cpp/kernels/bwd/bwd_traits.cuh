@@ -219,23 +219,30 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #ifndef FA3_BWD_DQ_RED
 #define FA3_BWD_DQ_RED 1
 #endif
-// dQ converted in the main kernel (FA3_BWD_FUSED_DQ=1; default 0: session 7b, suite-passed in session 8, A/B mixed): the
-// last CTA to add into a query block's fp32 dQ rows (a per-block arrival counter, set by the
-// preprocess to the number of key blocks that touch the block) scales and converts them, and the
-// postprocess kernel is not launched. Tiles with the smem dQ path, an unswapped dQ GEMM and room
-// for the staging buffer (kFusedDQ below: hd64, hd96, the 64-row hd128); the others (80-row hd128,
-// hd192, split-D hd256) keep the postprocess. bwd/NOTES.md "Session 7b" has the protocol and why
-// every dQ element is written exactly once. FA3_BWD_FUSED_DQ_DISCARD (default 1 with it): drop the
+// dQ converted in the main kernel (FA3_BWD_FUSED_DQ=1, default; session 7b): the last CTA to
+// add into a query block's fp32 dQ rows (a per-block arrival counter, set by the preprocess to
+// the number of key blocks that touch the block) scales and converts them, and the postprocess
+// kernel is not launched. A second instantiation of the tiles with the smem dQ path, an unswapped
+// dQ GEMM and room for the staging buffer (BwdTraitsFused; kFusedDQ below: hd64, hd96, the 64-row
+// hd128), launched for problems with seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN (bwd_launch.cuh,
+// with_bwd_traits). Session 9 A/B (bf16, 16k tokens): +20% hd128 causal and +9% hd64 causal at
+// 512, +4% hd128 causal at 1k, but -7% at 2k and -15% from 8k (hd128 causal), -2..-3% hd64 from
+// 8k; the cause of the long-sequence loss is not found (not the writer's completion wait:
+// FA3_BWD_FUSED_DQ_LAG=3 lost as much). bwd/NOTES.md "Session 7b" has the protocol and why every
+// dQ element is written exactly once. FA3_BWD_FUSED_DQ_DISCARD (default 1 with it): drop the
 // converted accumulator lines from L2 (discard.global.L2) so that they are never written back.
 #ifndef FA3_BWD_FUSED_DQ
-#define FA3_BWD_FUSED_DQ 0
+#define FA3_BWD_FUSED_DQ 1
+#endif
+#ifndef FA3_BWD_FUSED_DQ_MAX_SEQLEN
+#define FA3_BWD_FUSED_DQ_MAX_SEQLEN 1024
 #endif
 #ifndef FA3_BWD_FUSED_DQ_DISCARD
 #define FA3_BWD_FUSED_DQ_DISCARD 1
 #endif
-// FA3_BWD_FUSED_DQ_LAG (1..4, default 1 as GPU-tested in session 8): how many steps after its adds
-// the dQ writer counts a block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each
-// count-down's result a step later. Session 8: at 1 the 64-row hd128 causal tile lost 8-19% from 2k.
+// FA3_BWD_FUSED_DQ_LAG (1..4, default 1): how many steps after its adds the dQ writer counts a
+// block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each count-down's result a
+// step later. Session 9 A/B: 3 was no better than 1 (within 2% at 2k-16k, -6% at 512).
 #ifndef FA3_BWD_FUSED_DQ_LAG
 #define FA3_BWD_FUSED_DQ_LAG 1
 #endif
@@ -254,6 +261,10 @@ template <class T, class = void> struct TileDQSwapAB : std::false_type {};
 template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
 template <class T, class = void> struct TileDQSplitM : std::false_type {};
 template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
+// A tile of the fused-dQ instantiation (BwdTraitsFused) and its test.
+template <class Tile> struct FusedDQTile : Tile { static constexpr bool kFuseDQ = true; };
+template <class T, class = void> struct TileFuseDQ : std::false_type {};
+template <class T> struct TileFuseDQ<T, std::void_t<decltype(T::kFuseDQ)>> : std::bool_constant<T::kFuseDQ> {};
 // kFusedDQ of a traits class (false where it does not say: the split-D traits).
 template <class T, class = void> struct TraitsFusedDQ : std::false_type {};
 template <class T> struct TraitsFusedDQ<T, std::void_t<decltype(T::kFusedDQ)>> : std::bool_constant<T::kFusedDQ> {};
@@ -269,6 +280,8 @@ template <typename Element, int kHeadDim, bool kSoftcap>
 struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
 template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
+template <typename Element, int kHeadDim, bool kSoftcap>
+struct BwdTraitsFused : BwdTraitsT<Element, kHeadDim, kSoftcap, FusedDQTile<BwdTile<kHeadDim>>> {};
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -396,7 +409,8 @@ struct BwdTraitsT {
   // dq_converter). The converter warp stages one warpgroup's fp32 tile (kDQWgFloats) at a time in
   // kCvtBufs shared buffers: two where they fit (hd96, hd128: both halves load at once), one at
   // hd64 (128 rows: 40 B short of two). The 80-row hd128 tile has 768 B free: no staging, no fusion.
-  static constexpr bool kFusedDQ = FA3_BWD_FUSED_DQ != 0 && kDQSmem && !kDQSwapAB && kStagesdS == 2;
+  static constexpr bool kFusedDQ = FA3_BWD_FUSED_DQ != 0 && TileFuseDQ<Tile_>::value && kDQSmem && !kDQSwapAB &&
+                                   kStagesdS == 2;
   static constexpr int kCvtBufs = kHeadDim == 64 ? 1 : 2;
   // FA3_BWD_TMA_DKV: dK/dV leave through shared memory and TMA (DKVStore below). Needs one pass
   // (a pass > 0 has no dS barrier, so the warpgroups are not in step at its end) and a second Q/dO
