@@ -187,6 +187,19 @@ struct FwdTraits {
   static constexpr int kBarPingPong = kBarEpilogue + 3;  // + wg, wg < 3
 };
 
+// What both producers load from and into: the Q / K / V tiles in shared memory and the global
+// tensors as TMA sees them, (seqlen, head_dim, heads, batch).
+template <class T>
+CUTE_DEVICE auto producer_views(typename T::Params const& p, typename T::SharedStorage& ss) {
+  using D = typename T::D;
+  return cute::make_tuple(make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{}),
+                          make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{}),
+                          make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{}),
+                          p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch)),
+                          p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch)),
+                          p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch)));
+}
+
 template <class T>
 CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedStorage& ss,
                               typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v) {
@@ -196,12 +209,7 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
   using ClusterBarrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+  auto [sQ, sK, sV, mQ, mK, mV] = producer_views<T>(p, ss);
 
   auto k_state = cutlass::make_producer_start_state<typename T::Pipeline>();
   auto v_state = cutlass::make_producer_start_state<typename T::Pipeline>();
@@ -298,12 +306,7 @@ CUTE_DEVICE void fwd_producer_qpf(typename T::Params const& p, typename T::Share
   using ClusterBarrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.seqlen_k, D{}, p.heads_kv, p.batch));
+  auto [sQ, sK, sV, mQ, mK, mV] = producer_views<T>(p, ss);
 
   auto k_state = cutlass::make_producer_start_state<typename T::Pipeline>();
   auto v_state = cutlass::make_producer_start_state<typename T::Pipeline>();
