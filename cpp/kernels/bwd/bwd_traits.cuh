@@ -243,6 +243,13 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 // FA3_BWD_FUSED_DQ_LAG (1..4, default 1): how many steps after its adds the dQ writer counts a
 // block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each count-down's result a
 // step later. Session 9 A/B: 3 was no better than 1 (within 2% at 2k-16k, -6% at 512).
+// FA3_BWD_DS_BEFORE_DV (default 0, static, not run on a GPU yet): in each sub-step store the dS^T
+// columns to shared memory before issuing dV += P^T dO instead of after, so the stores drain while
+// dV is issued and the last sub-step's dS barrier / dQ GEMM start sooner (FA3 orders its hd64
+// backward this way). The fence and the dS barrier stay after the dV issue.
+#ifndef FA3_BWD_DS_BEFORE_DV
+#define FA3_BWD_DS_BEFORE_DV 0
+#endif
 #ifndef FA3_BWD_FUSED_DQ_LAG
 #define FA3_BWD_FUSED_DQ_LAG 1
 #endif
