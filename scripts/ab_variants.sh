@@ -14,6 +14,8 @@
 # AB_PIPELINE=1 builds the next variant (at nice 19) while this one is benchmarked: ~40% less
 # device time. The timing loop no longer waits on the host per call (bench_attention.py), but
 # measure a variant pair both ways before trusting pipelined figures for a close call.
+# AB_PIPELINE=parallel starts every variant's build at once (a build narrowed to a few head dims
+# compiles a handful of translation units, so one build uses a few of the cores).
 # AB_REUSE=1 benchmarks a variant already built by scripts/suite_variants.sh (or an earlier run)
 # instead of building it again.
 # AB_ABBA=1 then benchmarks the variants again in reverse order (base, x, x, base), so a drift of
@@ -42,11 +44,15 @@ run_all() {
   done
   if [ "${AB_PIPELINE:-0}" = 1 ]; then  # every build, one after another, in the background
     (for spec in "$@"; do [ -f "/tmp/ab_${spec%%=*}.rc" ] || build "${spec%%=*}" "${spec#*=}"; done) &
+  elif [ "${AB_PIPELINE:-0}" = parallel ]; then  # every build at once (one TU per head dim and
+    for spec in "$@"; do  # direction: a narrowed build leaves most of the cores idle)
+      [ -f "/tmp/ab_${spec%%=*}.rc" ] || build "${spec%%=*}" "${spec#*=}" &
+    done
   fi
   for spec in "$@"; do
     name=${spec%%=*}
     echo "== variant $name: defines '${spec#*=}'"
-    if [ "${AB_PIPELINE:-0}" = 1 ]; then
+    if [ "${AB_PIPELINE:-0}" != 0 ]; then
       while [ ! -f "/tmp/ab_$name.rc" ]; do sleep 2; done
     elif [ ! -f "/tmp/ab_$name.rc" ]; then
       build "$name" "${spec#*=}"

@@ -363,6 +363,45 @@ CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStora
   }
 }
 
+// One step of a dQ writer (bwd_main_kernel's and dq_writer_fused): in deterministic mode wait for
+// the block's turn (turn(): the value of its semaphore sem when this key block's adds are next),
+// add the consumers' two shared-memory tiles into the fp32 accumulator acc, free the tiles for
+// the next step (more: there is one), and in deterministic mode publish the turn once the adds are
+// performed. turn is a callable so that nothing of it is computed outside deterministic mode.
+template <class Tr, class Turn>
+CUTE_DEVICE void dq_writer_step(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, float* acc, int* sem,
+                                Turn&& turn, bool lane0, bool more) {
+  if (p.deterministic) {
+    const int my_turn = turn();
+    if (lane0) {
+      while (ld_acquire(sem) != my_turn) __nanosleep(32);
+      fence_proxy_async_global();  // the acquired bulk writes before our bulk op
+    }
+    __syncwarp();
+  }
+  cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0);
+  if (lane0) {
+    bulk_reduce_add_f32(acc, ss.dq.data(), Tr::kDQWgBytes);
+    bulk_commit();
+  }
+  cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0 + 1);
+  if (lane0) {
+    bulk_reduce_add_f32(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats, Tr::kDQWgBytes);
+    bulk_commit();
+    bulk_wait_read_all();
+  }
+  __syncwarp();
+  if (more) {
+    cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
+    cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
+  }
+  if (p.deterministic && lane0) {
+    bulk_wait_all();             // our adds are performed ...
+    fence_proxy_async_global();  // ... ordered before generic accesses ...
+    red_release_add(sem, 1);     // ... and published with the turn
+  }
+}
+
 #if FA3_BWD_FUSED_DQ
 // ---------------------------------------------------------------------- fused dQ conversion
 // (FA3_BWD_FUSED_DQ, traits with kFusedDQ; bwd/NOTES.md "Session 7b" has the argument in full.)
@@ -453,37 +492,12 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
   #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     const int blk = block(h, m);
-    float* acc = p.dq_accum + int64_t(blk) * (kBlockM * kHeadDim);
-    if (p.deterministic) {
+    auto turn = [&] {  // as in bwd_main_kernel's writer
       long long first_key = first_key0 + (long long)(m - m_begin) * kBlockM;
-      const int nb = first_key > 0 ? int(first_key / kBlockN) : 0;
-      if (lane0) {
-        while (ld_acquire(p.dq_sem + blk) != n_block - nb) __nanosleep(32);
-        fence_proxy_async_global();
-      }
-      __syncwarp();
-    }
-    cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0);
-    if (lane0) {
-      bulk_reduce_add_f32(acc, ss.dq.data(), Tr::kDQWgBytes);
-      bulk_commit();
-    }
-    cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0 + 1);
-    if (lane0) {
-      bulk_reduce_add_f32(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats, Tr::kDQWgBytes);
-      bulk_commit();
-      bulk_wait_read_all();
-    }
-    __syncwarp();
-    if (step + 1 < steps) {
-      cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
-      cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
-    }
-    if (p.deterministic && lane0) {
-      bulk_wait_all();
-      fence_proxy_async_global();
-      red_release_add(p.dq_sem + blk, 1);
-    }
+      return n_block - (first_key > 0 ? int(first_key / kBlockN) : 0);
+    };
+    dq_writer_step(p, ss, p.dq_accum + int64_t(blk) * (kBlockM * kHeadDim), p.dq_sem + blk, turn, lane0,
+                   step + 1 < steps);
     if constexpr (kLag > 1) settle();  // the count-down of a step ago has had a step to return
     if (step >= kLag) count_down(step_block(step - kLag), cute::false_type{});
     if constexpr (kLag == 1) settle();
@@ -690,38 +704,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         int m = m_begin;
         #pragma unroll 1
         for (int step = 0; step < steps; ++step) {
-          if (p.deterministic) {
-            // Turn order: the key blocks of this query block one after the other, from the first
-            // (band.key_block_range's n_begin; the CTA's m range guarantees the band is not empty).
+          // Turn order: the key blocks of this query block one after the other, from the first
+          // (band.key_block_range's n_begin; the CTA's m range guarantees the band is not empty).
+          auto turn = [&] {
             long long first_key = first_key0 + (long long)(m - m_begin) * kBlockM;
-            const int nb = first_key > 0 ? int(first_key / kBlockN) : 0;
-            if (lane0) {
-              while (ld_acquire(sem) != n_block - nb) __nanosleep(32);
-              fence_proxy_async_global();  // the acquired bulk writes before our bulk op
-            }
-            __syncwarp();
-          }
-          cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0);
-          if (lane0) {
-            bulk_reduce_add_f32(acc, ss.dq.data(), Tr::kDQWgBytes);
-            bulk_commit();
-          }
-          cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0 + 1);
-          if (lane0) {
-            bulk_reduce_add_f32(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats, Tr::kDQWgBytes);
-            bulk_commit();
-            bulk_wait_read_all();
-          }
-          __syncwarp();
-          if (step + 1 < steps) {
-            cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
-            cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
-          }
-          if (p.deterministic && lane0) {
-            bulk_wait_all();             // our adds are performed ...
-            fence_proxy_async_global();  // ... ordered before generic accesses ...
-            red_release_add(sem, 1);     // ... and published with the turn
-          }
+            return n_block - (first_key > 0 ? int(first_key / kBlockN) : 0);
+          };
+          dq_writer_step(p, ss, acc, sem, turn, lane0, step + 1 < steps);
           // Next (head, query block): query blocks innermost, as the consumers walk them.
           acc += kBlockM * kHeadDim;
           ++sem;

@@ -76,23 +76,24 @@ template <int kHeadDim> struct BwdTile;
 #ifndef FA3_BWD_STATS_LDS
 #define FA3_BWD_STATS_LDS 0
 #endif
-// FA3_BWD_STATS_LDS_SMALL=1 (session 7d, default 0; NOTES.md "Session 7d"): the same per-thread
+// FA3_BWD_STATS_LDS_SMALL=1 (session 7d; default 1 since session 10, with MASK_ROWS and
+//   DS_BEFORE_DV: hd64 +1.1..+4.8%, hd128 causal +0..+5%; NOTES.md "Session 10", "Session 7d"): the same per-thread
 //   LDS.64 statistics for the hd64 (128-row, two sub-steps; also the 64-row step) and hd96 tiles
 //   (non-softcap), each sub-step loading its own 64 columns. hd64 spends 64 SHFL per consumer
 //   warp-step there (of 725 instructions) and ~2x hd128's elementwise work per FLOP: the
 //   shuffles take 64 of the MIO queue's issues in the MUFU-heavy phases, LDS.64 with a 4-address
 //   broadcast takes 32.
 #ifndef FA3_BWD_STATS_LDS_SMALL
-#define FA3_BWD_STATS_LDS_SMALL 0
+#define FA3_BWD_STATS_LDS_SMALL 1
 #endif
-// FA3_BWD_MASK_ROWS=1 (session 7d, default 0; NOTES.md "Session 7d"): the per-step "does the band
+// FA3_BWD_MASK_ROWS=1 (session 7d; default 1 since session 10; NOTES.md "Session 7d"): the per-step "does the band
 //   or the key bound cut this sub-step?" test as two 32-bit compares against a row range computed
 //   once per CTA (BandMask::interior_row_range) instead of block_is_interior's 64-bit arithmetic
 //   per sub-step: hd64's step loses the 54 uniform instructions at its top (between the dQ
 //   hand-off and the next S^T issue; ptxas recomputes the two bounds inside the first exp2 phase,
 //   ~10 instructions). Same booleans (host_checks/block_range_check.cu). The d <= 128 tiles.
 #ifndef FA3_BWD_MASK_ROWS
-#define FA3_BWD_MASK_ROWS 0
+#define FA3_BWD_MASK_ROWS 1
 #endif
 // FA3_BWD_DQ_TAIL_READ=1 (session 7a, default 0; every smem-dQ tile): the dQ writer leaves
 //   without waiting for its last two bulk reduce-adds to be performed in L2 (they have been read
@@ -243,12 +244,13 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 // FA3_BWD_FUSED_DQ_LAG (1..4, default 1): how many steps after its adds the dQ writer counts a
 // block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each count-down's result a
 // step later. Session 9 A/B: 3 was no better than 1 (within 2% at 2k-16k, -6% at 512).
-// FA3_BWD_DS_BEFORE_DV (default 0, static, not run on a GPU yet): in each sub-step store the dS^T
+// FA3_BWD_DS_BEFORE_DV (default 1 since session 10: alone +1.7..+3.1% at hd64; 0 = dS after
+// dV, the session-9 order): in each sub-step store the dS^T
 // columns to shared memory before issuing dV += P^T dO instead of after, so the stores drain while
 // dV is issued and the last sub-step's dS barrier / dQ GEMM start sooner (FA3 orders its hd64
 // backward this way). The fence and the dS barrier stay after the dV issue.
 #ifndef FA3_BWD_DS_BEFORE_DV
-#define FA3_BWD_DS_BEFORE_DV 0
+#define FA3_BWD_DS_BEFORE_DV 1
 #endif
 // FA3_BWD_FUSED_DQ_CVT_WARPS (1 or 2, default 1; static, not run on a GPU): dQ converter warps
 // (bwd_main.cuh, dq_converter). 2 doubles the conversion rate of hd96 / hd128: the suspect of
