@@ -1003,13 +1003,15 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             convert_fragment(tSrS, rP);
             Tensor rdS = make_tensor<Element>(tdPrdP.layout());
             convert_fragment(tdPrdP, rdS);
-#if FA3_BWD_DS_BEFORE_DV
-            // The dS stores go out before the dV issue (bwd_traits.cuh); fence and barrier below.
-            if (dq_pass) {
+            // dS^T of this sub-step to shared memory for the dQ GEMM; fence and barrier below.
+            auto store_ds = [&] {
+              // With one dS buffer the other warpgroup may still read it (previous dQ GEMM).
               if (kStagesdS == 1 && sub == 0) cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
               copy(ds_copy, thr_ds_copy.retile_S(rdS), tdSsdS(_, _, _, 0, sub, ds_stage));
+            };
+            if constexpr (Tr::kDsBeforeDv) {
+              if (dq_pass) store_ds();
             }
-#endif
             // dV += P^T dO (this pass's columns).
             {
               Tensor sdOt_p = local_tile(sdOt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockMSdP>>{},
@@ -1020,14 +1022,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             }
 
             if (dq_pass) {
-#if !FA3_BWD_DS_BEFORE_DV
-              if (kStagesdS == 1 && sub == 0) {
-                // The other warpgroup may still read the single dS buffer (previous dQ GEMM).
-                cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
-              }
-              Tensor tdSrdS = thr_ds_copy.retile_S(rdS);
-              copy(ds_copy, tdSrdS, tdSsdS(_, _, _, 0, sub, ds_stage));
-#endif
+              if constexpr (!Tr::kDsBeforeDv) store_ds();
               if (last) {  // this warpgroup's part of the dS tile is complete
                 cutlass::arch::fence_view_async_shared();
                 cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);

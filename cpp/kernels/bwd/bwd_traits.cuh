@@ -77,8 +77,8 @@ template <int kHeadDim> struct BwdTile;
 #define FA3_BWD_STATS_LDS 0
 #endif
 // FA3_BWD_STATS_LDS_SMALL=1 (session 7d; default 1 since session 10, with MASK_ROWS and
-//   DS_BEFORE_DV: hd64 +1.1..+4.8%, hd128 causal +0..+5%; NOTES.md "Session 10", "Session 7d"): the same per-thread
-//   LDS.64 statistics for the hd64 (128-row, two sub-steps; also the 64-row step) and hd96 tiles
+//   DS_BEFORE_DV: hd64 +1.1..+4.8%, hd128 causal +0..+5%; NOTES.md "Session 10", "Session 7d"):
+//   the same per-thread LDS.64 statistics for the hd64 (128-row, two sub-steps; also the 64-row step) and hd96 tiles
 //   (non-softcap), each sub-step loading its own 64 columns. hd64 spends 64 SHFL per consumer
 //   warp-step there (of 725 instructions) and ~2x hd128's elementwise work per FLOP: the
 //   shuffles take 64 of the MIO queue's issues in the MUFU-heavy phases, LDS.64 with a 4-address
@@ -245,7 +245,7 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 // block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each count-down's result a
 // step later. Session 9 A/B: 3 was no better than 1 (within 2% at 2k-16k, -6% at 512).
 // FA3_BWD_DS_BEFORE_DV (default 1 since session 10: alone +1.7..+3.1% at hd64; 0 = dS after
-// dV, the session-9 order): in each sub-step store the dS^T
+// dV, the session-9 order; the d <= 128 tiles, kDsBeforeDv): in each sub-step store the dS^T
 // columns to shared memory before issuing dV += P^T dO instead of after, so the stores drain while
 // dV is issued and the last sub-step's dS barrier / dQ GEMM start sooner (FA3 orders its hd64
 // backward this way). The fence and the dS barrier stay after the dV issue.
@@ -398,6 +398,9 @@ struct BwdTraitsT {
   // FA3_BWD_MASK_ROWS (see the macro above): the banded tiles' interior test per sub-step.
   // The smem-dQ tiles only (d <= 128; hd192 / column-pass hd256 keep their SASS).
   static constexpr bool kMaskRows = FA3_BWD_MASK_ROWS && !kNoBand && kDQSmem;
+  // FA3_BWD_DS_BEFORE_DV (see the macro above): the smem-dQ tiles (d <= 128), where it was measured
+  // and tested on the H200; hd192 keeps the dS stores after the dV issue.
+  static constexpr bool kDsBeforeDv = FA3_BWD_DS_BEFORE_DV && kDQSmem;
   // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (see BwdTile above): the smem-dQ tiles (d <= 128);
   // SMEM_SPACE also hd192 (atomic dQ; alone it adds no spill there: softcap keeps the default's
   // 8 B, NOTES.md "Split-D (hd256) and hd192"), not the column-pass hd256 (FA3_BWD_HD256_SPLIT_D=0:
