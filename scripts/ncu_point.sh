@@ -6,6 +6,9 @@
 # main kernels, the split-D hd256 one included) with the sections that say where the time
 # goes: speed of light, compute workload (tensor pipe), warp states (stall reasons), occupancy,
 # memory. Clocks stay as they are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
+# NCU_SECTIONS: the sections, space-separated (e.g. "SpeedOfLight" for kernel durations alone).
+# Per-kernel times of a whole call: name the kernels (KERNELS="bwd_" for ours; a bare "." also
+# catches XLA's fusions, and session 10 saw ncu fail to replay input_concatenate_fusion and stop).
 # NCU_EXTRA: more ncu options, word-split (e.g. the stall breakdown, which the sections' headers
 # lack here: NCU_EXTRA="--print-details all" or
 # NCU_EXTRA="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio").
@@ -16,12 +19,14 @@ mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_' | sed 's/__*/_/g; s/^_//; s/_$//')
 tag=${tag:-default}
+sections=()
+for sec in ${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis WarpStateStats Occupancy MemoryWorkloadAnalysis LaunchStats}; do
+  sections+=(--section "$sec")
+done
 rep=()
 [ "${NCU_REP:-1}" = 1 ] && rep=(--export "$OUT/ncu_$tag" --force-overwrite)
 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
   ncu --clock-control none --target-processes all \
     --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
-    --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
-    --section Occupancy --section MemoryWorkloadAnalysis --section LaunchStats \
-    ${NCU_EXTRA:-} "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
+    "${sections[@]}" ${NCU_EXTRA:-} "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
 exit "${PIPESTATUS[0]}"
