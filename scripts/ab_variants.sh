@@ -28,6 +28,7 @@ set -uo pipefail
 OUT=${1:?usage: scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]}
 shift
 [ $# -ge 1 ] || { echo "ab_variants: name at least one variant (NAME=DEFINES)" >&2; exit 2; }
+case ${AB_PIPELINE:-0} in 0 | 1 | parallel) ;; *) echo "ab_variants: AB_PIPELINE is 0, 1 or parallel" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1

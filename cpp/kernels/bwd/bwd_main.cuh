@@ -423,11 +423,10 @@ CUTE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "me
 CUTE_DEVICE void discard_l2_line(const void* p) { asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory"); }
 CUTE_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
 
-// The dQ writer warp and the converter warp(s) around the mailbox (ss.cvt_mail): CvtEmpty = the
-// converters have taken the last message, CvtFull = a new one is there. Ids 2, 3 (DetIn/DetOut) are
+// The dQ writer warp and the converter warp around the mailbox (ss.cvt_mail): CvtEmpty = the
+// converter has taken the last message, CvtFull = a new one is there. Ids 2, 3 (DetIn/DetOut) are
 // used only by the atomic dQ path, never in a kDQSmem kernel.
-template <class Tr>
-constexpr int kCvtBarThreads = 32 * (1 + Tr::kCvtWarps);
+constexpr int kCvtBarThreads = 64;
 enum : uint32_t { kBarCvtFull = kBarDetIn, kBarCvtEmpty = kBarDetOut };
 
 // dQ writer (warp 1) with the arrival count: bwd_main_kernel's writer loop (same bulk reduce-adds,
@@ -454,7 +453,7 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
   auto block = [&](int h, int m) { return (b * p.heads_q + h) * p.m_blocks + m; };
   // Hand block blk (-1: no more) to the converter once it has taken the previous message.
   auto post = [&](int blk) {
-    cutlass::arch::NamedBarrier::sync(kCvtBarThreads<Tr>, kBarCvtEmpty);
+    cutlass::arch::NamedBarrier::sync(kCvtBarThreads, kBarCvtEmpty);
     compiler_fence();
     if (lane0) {
       reinterpret_cast<volatile int*>(ss.cvt_mail)[0] = blk < 0 ? 0 : blk / p.m_blocks % p.heads_q;
@@ -462,7 +461,7 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
       reinterpret_cast<volatile int*>(ss.cvt_mail)[2] = b;  // the converter keeps no b (hd96 spilled it)
     }
     compiler_fence();
-    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads<Tr>, kBarCvtFull);
+    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtFull);
   };
   // The count-down in flight: its block (-1: none) and lane 0's atomic result (the old count).
   int counted = -1, counted_old = 0;
@@ -515,29 +514,29 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
   post(-1);
 }
 
-// Converter (warp 2, and warp 3 with kCvtWarps 2: one piece each; 24 registers): for each posted block, bulk-load its fp32 accumulator (one
+// Converter (warp 2, 24 registers): for each posted block, bulk-load its fp32 accumulator (one
 // warpgroup tile per piece) into shared memory, then write dQ = softmax_scale * acc in the input
 // dtype at (b, row, h, :), rows < seqlen_q, with the fragment -> (row, column) map of the dQ
 // GEMM (as bwd_postprocess_kernel: thread 128 * piece + t holds float4 j at j * 128 + t).
 template <class Tr>
-CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int my_piece) {
+CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorage& ss) {
   using Element = typename Tr::Element;
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim, kBufs = Tr::kCvtBufs;
   static_assert(kBufs == 1 || kBufs == 2);
   const int lane = threadIdx.x % 32;
   uint32_t blocks_done = 0;
-  cutlass::arch::NamedBarrier::arrive(kCvtBarThreads<Tr>, kBarCvtEmpty);
+  cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtEmpty);
   #pragma unroll 1
   while (true) {
-    cutlass::arch::NamedBarrier::sync(kCvtBarThreads<Tr>, kBarCvtFull);
+    cutlass::arch::NamedBarrier::sync(kCvtBarThreads, kBarCvtFull);
     compiler_fence();
     const int h = reinterpret_cast<volatile int*>(ss.cvt_mail)[0];
     const int m = reinterpret_cast<volatile int*>(ss.cvt_mail)[1];
     const int b = reinterpret_cast<volatile int*>(ss.cvt_mail)[2];
     compiler_fence();
     if (m < 0) break;
-    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads<Tr>, kBarCvtEmpty);  // the mailbox is free
+    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtEmpty);  // the mailbox is free
     const float* acc = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * (kBlockM * kHeadDim);
     auto load = [&](int piece) {
       if (lane == 0) {
@@ -553,11 +552,9 @@ CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorag
       fence_acq_rel_gpu();
       fence_proxy_async_global();
     }
-    // mine(piece): this warp converts the piece (all of them with one converter warp).
-    auto mine = [&](int piece) { return Tr::kCvtWarps == 1 || piece == my_piece; };
     if constexpr (kBufs == 2) {
-      if (mine(0)) load(0);
-      if (mine(1)) load(1);
+      load(0);
+      load(1);
     }
     const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
     const int row_stride = p.heads_q * kHeadDim;
@@ -570,7 +567,6 @@ CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorag
     static_assert(decltype(size(c0))::value == Tr::kDQFrag);
     CUTLASS_PRAGMA_UNROLL
     for (int piece = 0; piece < 2; ++piece) {
-      if (!mine(piece)) continue;
       if constexpr (kBufs == 1) {
         __syncwarp();  // every lane has read the previous piece out of the buffer
         load(piece);
@@ -607,10 +603,8 @@ CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorag
     // The bulk loads that read them have completed (their barrier waits above).
     if ((reinterpret_cast<uintptr_t>(acc) & 127u) == 0) {
       constexpr int kLines = kBlockM * kHeadDim * int(sizeof(float)) / 128;
-      static_assert(kBlockM * kHeadDim * sizeof(float) % (128 * Tr::kCvtWarps) == 0);
-      constexpr int kMyLines = kLines / Tr::kCvtWarps;  // a piece's lines are contiguous
-      const char* lines = reinterpret_cast<const char*>(acc) + (Tr::kCvtWarps == 1 ? 0 : my_piece * kMyLines * 128);
-      for (int i = lane; i < kMyLines; i += 32) discard_l2_line(lines + i * 128);
+      static_assert(kBlockM * kHeadDim * sizeof(float) % 128 == 0);
+      for (int i = lane; i < kLines; i += 32) discard_l2_line(reinterpret_cast<const char*>(acc) + i * 128);
     }
 #endif
     ++blocks_done;
@@ -731,7 +725,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       }
     }
 #if FA3_BWD_FUSED_DQ
-    else if (Tr::kFusedDQ && (warp == 2 || (Tr::kCvtWarps == 2 && warp == 3))) {
+    else if (Tr::kFusedDQ && warp == 2) {
       // ------------------------------------------------------------ dQ converter (one warp)
       if constexpr (Tr::kFusedDQ) {
         int n_block, hk, b;
@@ -740,7 +734,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
         // Shared-space storage (32-bit addresses): with the generic form the warp spilled 16 B.
         // The writer runs exactly when this does (the same m range).
-        if (m_end > m_begin) dq_converter(p, aligned_storage<Storage, true>(smem_raw), warp - 2);
+        if (m_end > m_begin) dq_converter(p, aligned_storage<Storage, true>(smem_raw));
       }
     }
 #endif

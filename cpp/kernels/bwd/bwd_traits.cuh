@@ -252,12 +252,6 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #ifndef FA3_BWD_DS_BEFORE_DV
 #define FA3_BWD_DS_BEFORE_DV 1
 #endif
-// FA3_BWD_FUSED_DQ_CVT_WARPS (1 or 2, default 1; static, not run on a GPU): dQ converter warps
-// (bwd_main.cuh, dq_converter). 2 doubles the conversion rate of hd96 / hd128: the suspect of
-// fused dQ's long-sequence loss is a converter that cannot keep up (bwd/NOTES.md "Session 9").
-#ifndef FA3_BWD_FUSED_DQ_CVT_WARPS
-#define FA3_BWD_FUSED_DQ_CVT_WARPS 1
-#endif
 #ifndef FA3_BWD_FUSED_DQ_LAG
 #define FA3_BWD_FUSED_DQ_LAG 1
 #endif
@@ -430,9 +424,6 @@ struct BwdTraitsT {
   static constexpr bool kFusedDQ = FA3_BWD_FUSED_DQ != 0 && TileFuseDQ<Tile_>::value && kDQSmem && !kDQSwapAB &&
                                    kStagesdS == 2;
   static constexpr int kCvtBufs = kHeadDim == 64 ? 1 : 2;
-  // FA3_BWD_FUSED_DQ_CVT_WARPS=2: warps 2 and 3 of the producer warpgroup each convert one
-  // warpgroup tile (piece) of a block, where both pieces have their own buffer (kCvtBufs 2).
-  static constexpr int kCvtWarps = FA3_BWD_FUSED_DQ_CVT_WARPS == 2 && kCvtBufs == 2 ? 2 : 1;
   // FA3_BWD_TMA_DKV: dK/dV leave through shared memory and TMA (DKVStore below). Needs one pass
   // (a pass > 0 has no dS barrier, so the warpgroups are not in step at its end) and a second Q/dO
   // stage (the one the last step does not read).
