@@ -364,15 +364,18 @@ CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStora
 }
 
 // One step of a dQ writer (bwd_main_kernel's and dq_writer_fused): in deterministic mode wait for
-// the block's turn (turn(): the value of its semaphore sem when this key block's adds are next),
-// add the consumers' two shared-memory tiles into the fp32 accumulator acc, free the tiles for
-// the next step (more: there is one), and in deterministic mode publish the turn once the adds are
-// performed. turn is a callable so that nothing of it is computed outside deterministic mode.
-template <class Tr, class Turn>
+// the block's turn, add the consumers' two shared-memory tiles into the fp32 accumulator acc, free
+// the tiles for the next step (more: there is one), and in deterministic mode publish the turn
+// once the adds are performed. Turn order: the key blocks of a query block one after the other,
+// from the first (band.key_block_range's n_begin; the CTA's m range guarantees the band is not
+// empty): its semaphore sem holds n_block - (first key block) when this key block's adds are next.
+// The query block is m, the CTA's first m_begin; first_key0 the first key m_begin sees.
+template <class Tr>
 CUTE_DEVICE void dq_writer_step(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, float* acc, int* sem,
-                                Turn&& turn, bool lane0, bool more) {
+                                long long first_key0, int m, int m_begin, int n_block, bool lane0, bool more) {
   if (p.deterministic) {
-    const int my_turn = turn();
+    const long long first_key = first_key0 + (long long)(m - m_begin) * Tr::kBlockM;
+    const int my_turn = n_block - (first_key > 0 ? int(first_key / Tr::kBlockN) : 0);
     if (lane0) {
       while (ld_acquire(sem) != my_turn) __nanosleep(32);
       fence_proxy_async_global();  // the acquired bulk writes before our bulk op
@@ -440,7 +443,7 @@ enum : uint32_t { kBarCvtFull = kBarDetIn, kBarCvtEmpty = kBarDetOut };
 template <class Tr>
 CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
                                  int b, int group, int m_begin, int m_end) {
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   constexpr int kLag = FA3_BWD_FUSED_DQ_LAG;
   static_assert(kLag >= 1 && 2 * kLag <= 8, "FA3_BWD_FUSED_DQ_LAG: 1..4 steps");
   const bool lane0 = threadIdx.x == 32;
@@ -491,12 +494,8 @@ CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedSto
   #pragma unroll 1
   for (int step = 0; step < steps; ++step) {
     const int blk = block(h, m);
-    auto turn = [&] {  // as in bwd_main_kernel's writer
-      long long first_key = first_key0 + (long long)(m - m_begin) * kBlockM;
-      return n_block - (first_key > 0 ? int(first_key / kBlockN) : 0);
-    };
-    dq_writer_step(p, ss, p.dq_accum + int64_t(blk) * (kBlockM * kHeadDim), p.dq_sem + blk, turn, lane0,
-                   step + 1 < steps);
+    dq_writer_step(p, ss, p.dq_accum + int64_t(blk) * (kBlockM * kHeadDim), p.dq_sem + blk, first_key0, m,
+                   m_begin, n_block, lane0, step + 1 < steps);
     if constexpr (kLag > 1) settle();  // the count-down of a step ago has had a step to return
     if (step >= kLag) count_down(step_block(step - kLag), cute::false_type{});
     if constexpr (kLag == 1) settle();
@@ -698,13 +697,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         int m = m_begin;
         #pragma unroll 1
         for (int step = 0; step < steps; ++step) {
-          // Turn order: the key blocks of this query block one after the other, from the first
-          // (band.key_block_range's n_begin; the CTA's m range guarantees the band is not empty).
-          auto turn = [&] {
-            long long first_key = first_key0 + (long long)(m - m_begin) * kBlockM;
-            return n_block - (first_key > 0 ? int(first_key / kBlockN) : 0);
-          };
-          dq_writer_step(p, ss, acc, sem, turn, lane0, step + 1 < steps);
+          dq_writer_step(p, ss, acc, sem, first_key0, m, m_begin, n_block, lane0, step + 1 < steps);
           // Next (head, query block): query blocks innermost, as the consumers walk them.
           acc += kBlockM * kHeadDim;
           ++sem;
