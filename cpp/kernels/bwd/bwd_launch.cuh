@@ -200,11 +200,9 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, stream)
                                          : launch_main<Tr>(p, pp, stream);
   if (err != cudaSuccess) return err;
-  // TileDQSwapAB: the split-D traits (hd256) have no kDQSwapAB member. kFusedDQ: the main kernel
-  // wrote dQ (and the preprocess the blocks that no key block touches).
+  // kFusedDQ: the main kernel wrote dQ (and the preprocess the blocks that no key block touches).
   if constexpr (TraitsFusedDQ<Tr>::value) return cudaSuccess;
-  else if constexpr (TileDQSwapAB<Tr>::value) bwd_postprocess_dqt_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
-  else bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   return cudaGetLastError();
 }
 

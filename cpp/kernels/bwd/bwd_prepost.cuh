@@ -117,84 +117,63 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   if (threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
 }
 
+// Postprocess. The accumulator holds each dQ chunk in the fragment order of the main kernel's
+// dQ WGMMA (float4 j of thread t of warpgroup w at w * kDQWgFloats + j * 128 + t), so these reads
+// are coalesced. Written straight from the fragment, dQ would leave as 4-byte pieces 8 rows apart
+// (partial 32-byte sectors): the H200 took 165-170 us for 16k tokens x 2048 that way, against
+// 52-56 us for cuDNN's conversion (ncu, session 11). So each chunk is scaled, converted and gathered
+// into a (query, column) tile in shared memory first, and leaves as whole 16-byte row pieces.
+// Tr::kDQSwapAB (hd128 at 80-row steps): the fragments are of dQ^T, registers 2k, 2k+1 adjacent
+// queries of one column.
 template <class Tr>
 __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParams p) {
   using Element = typename Tr::Element;
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
+  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim, kChunk = Tr::kHdChunk;
+  constexpr bool kSwapAB = TileDQSwapAB<Tr>::value;
+  static_assert(Tr::kNumMmaWG == 2 && kChunk % 8 == 0);
+  // Row pitch: 16-byte aligned rows, and rows 4 banks apart, so a warp's fragment stores (8 rows
+  // x 4 column pairs) hit 32 distinct banks.
+  constexpr int kPitch = kChunk + 8;
+  __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
+  using TileShape = std::conditional_t<kSwapAB, Shape<Int<kChunk>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kChunk>>>;
   typename Tr::MmadQ mma_dq;
-  auto thr = mma_dq.get_thread_slice(ct);
-  Tensor cdQ = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{}));
+  Tensor cdQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(TileShape{}));
   static_assert(decltype(size(cdQ))::value == Tr::kDQFrag);
   const int64_t bh = int64_t(b) * p.heads_q + h;
   const float* acc_block = p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
-  Element* dq = static_cast<Element*>(p.dq);
+  const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
+  Element* dq = static_cast<Element*>(p.dq) + ((int64_t(b) * p.seqlen_q + m * kBlockM) * p.heads_q + h) * kHeadDim;
+  const int64_t row_stride = int64_t(p.heads_q) * kHeadDim;
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < Tr::kDQChunks; ++c) {
-    const float4* acc = reinterpret_cast<const float4*>(
-        acc_block + c * (kBlockM * Tr::kHdChunk) + wg * (kBlockM * Tr::kHdChunk / 2));
+    if (c > 0) __syncthreads();  // the previous chunk has left the tile
+    const float4* acc = reinterpret_cast<const float4*>(acc_block + c * (kBlockM * kChunk) + wg * Tr::kDQWgFloats);
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-      float4 v = acc[j * 128 + t];
-      float vals[4] = {v.x, v.y, v.z, v.w};
+      const float4 v = acc[j * 128 + t];
+      const float vals[4] = {v.x, v.y, v.z, v.w};
       CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 4; e += 2) {  // registers 2k, 2k+1 hold adjacent columns
-        const int row = m * kBlockM + get<0>(cdQ(4 * j + e));
-        const int col = c * Tr::kHdChunk + get<1>(cdQ(4 * j + e));
-        if (row < p.seqlen_q) {
-          cutlass::Array<Element, 2> out;
-          out[0] = Element(vals[e] * p.softmax_scale);
-          out[1] = Element(vals[e + 1] * p.softmax_scale);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(
-              dq + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + col) = out;
+      for (int e = 0; e < 4; e += 2) {
+        const auto at = cdQ(4 * j + e);
+        if constexpr (kSwapAB) {  // (column, query); e + 1 is the next query
+          tile[get<1>(at) * kPitch + get<0>(at)] = Element(vals[e] * p.softmax_scale);
+          tile[(get<1>(at) + 1) * kPitch + get<0>(at)] = Element(vals[e + 1] * p.softmax_scale);
+        } else {  // (query, column); e + 1 is the next column
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(vals[e] * p.softmax_scale);
+          pair[1] = Element(vals[e + 1] * p.softmax_scale);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + get<0>(at) * kPitch + get<1>(at)) = pair;
         }
       }
     }
-  }
-}
-
-// Postprocess of the swapped dQ GEMM (Tr::kDQSwapAB: hd128 at 80-row steps). The accumulator
-// holds dQ^T fragments (warpgroup w: columns [64w, 64w + 64) x kBlockM queries, float4 j of
-// thread t at j * 128 + t; registers 2k, 2k+1 are adjacent queries of one column): gather the
-// block into a (query, column) fp32 tile in shared memory, then write rows as 16-byte vectors.
-template <class Tr>
-__global__ void __launch_bounds__(256) bwd_postprocess_dqt_kernel(const PrePostParams p) {
-  using Element = typename Tr::Element;
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
-  static_assert(Tr::kDQSwapAB && Tr::kDQChunks == 1);
-  const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
-  constexpr int kPitch = kHeadDim + 4;  // fragment scatter: 32 distinct banks per warp store
-  __shared__ alignas(16) float tile[kBlockM * kPitch];
-  typename Tr::MmadQ mma_dq;
-  Tensor cdQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
-  static_assert(decltype(size(cdQ))::value == Tr::kDQFrag);
-  const int64_t bh = int64_t(b) * p.heads_q + h;
-  const float4* acc = reinterpret_cast<const float4*>(
-      p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim) + wg * Tr::kDQWgFloats);
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-    const float4 v = acc[j * 128 + t];
-    const float vals[4] = {v.x, v.y, v.z, v.w};
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < 4; ++e) tile[get<1>(cdQ(4 * j + e)) * kPitch + get<0>(cdQ(4 * j + e))] = vals[e];
-  }
-  __syncthreads();
-  Element* dq = static_cast<Element*>(p.dq);
-  constexpr int kVecPerRow = kHeadDim / 8;
-  for (int i = ct; i < kBlockM * kVecPerRow; i += 256) {
-    const int q = i / kVecPerRow, c8 = i % kVecPerRow, row = m * kBlockM + q;
-    if (row < p.seqlen_q) {
-      const float4 lo = *reinterpret_cast<const float4*>(tile + q * kPitch + 8 * c8);
-      const float4 hi = *reinterpret_cast<const float4*>(tile + q * kPitch + 8 * c8 + 4);
-      cutlass::Array<Element, 8> out;
-      out[0] = Element(lo.x * p.softmax_scale); out[1] = Element(lo.y * p.softmax_scale);
-      out[2] = Element(lo.z * p.softmax_scale); out[3] = Element(lo.w * p.softmax_scale);
-      out[4] = Element(hi.x * p.softmax_scale); out[5] = Element(hi.y * p.softmax_scale);
-      out[6] = Element(hi.z * p.softmax_scale); out[7] = Element(hi.w * p.softmax_scale);
-      *reinterpret_cast<cutlass::Array<Element, 8>*>(
-          dq + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + 8 * c8) = out;
+    __syncthreads();
+    constexpr int kVecPerRow = kChunk / 8;  // 16-byte pieces per row of the chunk
+    for (int i = ct; i < rows * kVecPerRow; i += 256) {
+      const int q = i / kVecPerRow, v8 = i % kVecPerRow;
+      *reinterpret_cast<uint4*>(dq + q * row_stride + c * kChunk + 8 * v8) =
+          *reinterpret_cast<const uint4*>(tile + q * kPitch + 8 * v8);
     }
   }
 }
