@@ -112,10 +112,10 @@ int check_fragments(const char* name) {
 
 int main() {
   int bad = check_counts();
-  bad += check_fragments<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 64, false>>("hd64");
-  bad += check_fragments<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 96, false>>("hd96");
-  bad += check_fragments<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 128, false>>("hd128");
-  bad += check_fragments<fa3::bwd::BwdTraits<cutlass::half_t, 128, true>>("hd128 fp16 softcap");
+  bad += check_fragments<fa3::bwd::BwdTraitsFused<cutlass::bfloat16_t, 64, false>>("hd64");
+  bad += check_fragments<fa3::bwd::BwdTraitsFused<cutlass::bfloat16_t, 96, false>>("hd96");
+  bad += check_fragments<fa3::bwd::BwdTraitsFused<cutlass::bfloat16_t, 128, false>>("hd128");
+  bad += check_fragments<fa3::bwd::BwdTraitsFused<cutlass::half_t, 128, true>>("hd128 fp16 softcap");
   printf("%s\n", bad ? "FAILED" : "all pass");
   return bad != 0;
 }
