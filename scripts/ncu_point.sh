@@ -7,8 +7,11 @@
 # goes: speed of light, compute workload (tensor pipe), warp states (stall reasons), occupancy,
 # memory. Clocks stay as they are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
 # NCU_SECTIONS: the sections, space-separated (e.g. "SpeedOfLight" for kernel durations alone).
-# Per-kernel times of a whole call: name the kernels (KERNELS="bwd_" for ours; a bare "." also
-# catches XLA's fusions, and session 10 saw ncu fail to replay input_concatenate_fusion and stop).
+# Per-kernel times of a whole call: NCU_DURATIONS=1 (one metric, gpu__time_duration.sum, so one
+# pass and no replay: ~20 s a point; every kernel but XLA's loop/concatenate fusions, from the
+# first launch; session 11 split the backward into pre/main/post this way, ours and cuDNN's).
+# With sections, name the kernels (a bare "." catches XLA's fusions, and session 10 saw ncu fail
+# to replay input_concatenate_fusion and stop; multi-pass replays of a whole call are slow).
 # NCU_EXTRA: more ncu options, word-split (e.g. the stall breakdown, which the sections' headers
 # lack here: NCU_EXTRA="--print-details all" or
 # NCU_EXTRA="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio").
@@ -20,9 +23,14 @@ cd "$(dirname "$0")/.."
 tag=$(echo "$*" | tr -c 'A-Za-z0-9' '_' | sed 's/__*/_/g; s/^_//; s/_$//')
 tag=${tag:-default}
 sections=()
-for sec in ${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis WarpStateStats Occupancy MemoryWorkloadAnalysis LaunchStats}; do
-  sections+=(--section "$sec")
-done
+if [ "${NCU_DURATIONS:-0}" = 1 ]; then
+  sections=(--metrics gpu__time_duration.sum)
+  KERNELS=${KERNELS:-'^(?!.*(input_concatenate|loop_))'} NCU_SKIP=${NCU_SKIP:-0} NCU_COUNT=${NCU_COUNT:-40} NCU_REP=${NCU_REP:-0}
+else
+  for sec in ${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis WarpStateStats Occupancy MemoryWorkloadAnalysis LaunchStats}; do
+    sections+=(--section "$sec")
+  done
+fi
 rep=()
 [ "${NCU_REP:-1}" = 1 ] && rep=(--export "$OUT/ncu_$tag" --force-overwrite)
 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
