@@ -131,8 +131,9 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim, kChunk = Tr::kHdChunk;
   constexpr bool kSwapAB = TileDQSwapAB<Tr>::value;
   static_assert(Tr::kNumMmaWG == 2 && kChunk % 8 == 0);
-  // Row pitch: 16-byte aligned rows, and rows 4 banks apart, so a warp's fragment stores (8 rows
-  // x 4 column pairs) hit 32 distinct banks.
+  // Row pitch: 16-byte aligned rows whose first banks, for 8 consecutive rows, are 8 distinct
+  // multiples of 4 (pitch kChunk / 2 + 4 words: 4 mod 32 at kChunk 64/128/192, 20 at 96), so a
+  // warp's fragment stores (8 rows x 4 column pairs) hit 32 distinct banks.
   constexpr int kPitch = kChunk + 8;
   __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
