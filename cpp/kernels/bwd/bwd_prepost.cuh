@@ -35,6 +35,11 @@ struct PrePostParams {
 #endif
 };
 
+// Element offset of (b, row, h, 0) in a (batch, seqlen_q, heads_q, head_dim) tensor: O, dO, dQ.
+CUTE_DEVICE int64_t bshd_offset(PrePostParams const& p, int b, int row, int h, int head_dim) {
+  return ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * head_dim;
+}
+
 #if FA3_BWD_FUSED_DQ
 // Key blocks of kBlockN keys that add into query block m (bwd_main_kernel's CTAs whose
 // query_block_range holds m): the arrival count of the fused dQ conversion. The same band test as
@@ -67,7 +72,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   const int row = m * kBlockM + r;
   float acc = 0.f;
   if (active && row < p.seqlen_q) {
-    const int64_t off = ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim + part * kPerThread;
+    const int64_t off = bshd_offset(p, b, row, h, kHeadDim) + part * kPerThread;
     const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
     const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
     CUTLASS_PRAGMA_UNROLL
@@ -104,8 +109,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
       Element* dq_out = static_cast<Element*>(p.dq);
       for (int i = threadIdx.x; i < rows * kVecRow; i += 256) {
         const int row = m * kBlockM + i / kVecRow;
-        *reinterpret_cast<uint4*>(dq_out + ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * kHeadDim +
-                                  (i % kVecRow) * 8) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(dq_out + bshd_offset(p, b, row, h, kHeadDim) + (i % kVecRow) * 8) =
+            make_uint4(0u, 0u, 0u, 0u);
       }
       return;  // nothing adds into this block's accumulator
     }
@@ -138,14 +143,13 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
   __shared__ alignas(16) Element tile[kBlockM * kPitch];
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
-  using TileShape = std::conditional_t<kSwapAB, Shape<Int<kChunk>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kChunk>>>;
   typename Tr::MmadQ mma_dq;
-  Tensor cdQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(TileShape{}));
+  Tensor cdQ = mma_dq.get_thread_slice(ct).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
   static_assert(decltype(size(cdQ))::value == Tr::kDQFrag);
   const int64_t bh = int64_t(b) * p.heads_q + h;
   const float* acc_block = p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
   const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
-  Element* dq = static_cast<Element*>(p.dq) + ((int64_t(b) * p.seqlen_q + m * kBlockM) * p.heads_q + h) * kHeadDim;
+  Element* dq = static_cast<Element*>(p.dq) + bshd_offset(p, b, m * kBlockM, h, kHeadDim);
   const int64_t row_stride = int64_t(p.heads_q) * kHeadDim;
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < Tr::kDQChunks; ++c) {

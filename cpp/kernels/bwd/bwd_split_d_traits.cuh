@@ -75,6 +75,7 @@ struct SplitDTraits {
   static constexpr int kHdChunk = kHeadDim / kDQChunks;
   static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
+  using DQTileShape = Shape<Int<kBlockM>, Int<kHdChunk>>;  // one dQ chunk, (queries, columns)
   static constexpr bool kDQSmem = false;
   // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (bwd_traits.cuh; NOTES.md "Session 6: ours vs FA3 at
   // hd128 causal, SASS", subsection "Split-D (hd256) and hd192"): the consumers reach
