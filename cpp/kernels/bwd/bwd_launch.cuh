@@ -19,12 +19,9 @@ namespace bwd {
 
 // Workspace (each part 256-byte aligned), sq_pad = m_blocks * kBlockM:
 //   lse_log2 (b, hq, sq_pad) f32 | dpsum (b, hq, sq_pad) f32 | dq_accum (b, hq, sq_pad, d) f32 |
-//   dq_sem (b, hq, m_blocks) i32 [| dq_arrive (b, hq, m_blocks) i32, FA3_BWD_FUSED_DQ]
+//   dq_sem (b, hq, m_blocks) i32
 struct Workspace {
   size_t lse_off, dpsum_off, dq_off, sem_off, total;
-#if FA3_BWD_FUSED_DQ
-  size_t arrive_off;
-#endif
 };
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -39,12 +36,7 @@ Workspace workspace_layout(const BwdParams& p) {
   w.dpsum_off = align256(w.lse_off + rows * sizeof(float));
   w.dq_off = align256(w.dpsum_off + rows * sizeof(float));
   w.sem_off = align256(w.dq_off + rows * Tr::kHeadDim * sizeof(float));
-#if FA3_BWD_FUSED_DQ
-  w.arrive_off = align256(w.sem_off + bh * m_blocks * sizeof(int));
-  w.total = align256(w.arrive_off + bh * m_blocks * sizeof(int));
-#else
   w.total = align256(w.sem_off + bh * m_blocks * sizeof(int));
-#endif
   return w;
 }
 
@@ -109,9 +101,6 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
 #if FA3_BWD_TMA_DKV
       , dkv_tma_store<Tr, false>(p.dk, s), dkv_tma_store<Tr, true>(p.dv, s)
 #endif
-#if FA3_BWD_FUSED_DQ
-      , pp.dq_arrive, static_cast<Element*>(p.dq)
-#endif
   };
   auto kernel = [] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
@@ -138,13 +127,9 @@ struct TraitsTag {
 // The one choice of traits for a backward call, so that its workspace size, workspace layout,
 // pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256 under
-// FA3_BWD_HD256_SPLIT_D), except that
-// - with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems without a band and without softcap run
-//   80-row steps (BwdTraitsHd128Full; FA3 does the same; its TrCap is never launched: softcap
-//   calls keep the 64-row kernel);
-// - with FA3_BWD_FUSED_DQ, the other problems with seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN run
-//   the fused-dQ kernel where the head dim has one (BwdTraitsFused): it wins there and loses on
-//   long sequences (bwd_traits.cuh).
+// FA3_BWD_HD256_SPLIT_D), except that with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems
+// without a band and without softcap run 80-row steps (BwdTraitsHd128Full; FA3 does the same; its
+// TrCap is never launched: softcap calls keep the 64-row kernel).
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
 #if FA3_BWD_HD128_BLOCK_M_FULL
@@ -153,14 +138,6 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
-  }
-#endif
-#if FA3_BWD_FUSED_DQ
-  if constexpr (!IsSplitD<BwdTraitsFor<Element, kHeadDim, false>>::value &&
-                BwdTraitsFused<Element, kHeadDim, false>::kFusedDQ) {
-    if (p.shape.seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN)
-      return f(TraitsTag<BwdTraitsFused<Element, kHeadDim, false>>{},
-               TraitsTag<BwdTraitsFused<Element, kHeadDim, true>>{});
   }
 #endif
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},
@@ -185,14 +162,6 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   pp.heads_q = s.heads_q;
   pp.m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   pp.softmax_scale = p.opts.softmax_scale;
-#if FA3_BWD_FUSED_DQ
-  // The converted traits (kFusedDQ): softcap calls launch TrCap, whose tile is Tr's.
-  static_assert(TraitsFusedDQ<Tr>::value == TraitsFusedDQ<TrCap>::value && Tr::kBlockM == TrCap::kBlockM);
-  pp.dq_arrive = reinterpret_cast<int*>(ws + w.arrive_off);
-  pp.seqlen_k = s.seqlen_k;
-  pp.window_left = p.opts.window_left;
-  pp.window_right = p.opts.window_right;
-#endif
 
   dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
   bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
@@ -200,8 +169,6 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, stream)
                                          : launch_main<Tr>(p, pp, stream);
   if (err != cudaSuccess) return err;
-  // kFusedDQ: the main kernel wrote dQ (and the preprocess the blocks that no key block touches).
-  if constexpr (TraitsFusedDQ<Tr>::value) return cudaSuccess;
   bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   return cudaGetLastError();
 }

@@ -54,13 +54,6 @@ struct MainParams {
   typename DKVStore<Tr>::TmaDK tma_dk;
   typename DKVStore<Tr>::TmaDV tma_dv;
 #endif
-#if FA3_BWD_FUSED_DQ
-  // kFusedDQ: arrival counters (b, hq, m_blocks), each set by the preprocess to the number of key
-  // blocks that add into the query block and counted down by their dQ writers; dQ itself
-  // (b, seqlen_q, hq, head_dim), written by the converter of the last one (dq_converter).
-  int* dq_arrive;
-  typename Tr::Element* dq;
-#endif
 };
 
 // (key block, kv head, batch) of this CTA: from the 3D grid, or decoded from the 1D grid in the
@@ -363,7 +356,7 @@ CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStora
   }
 }
 
-// One step of a dQ writer (bwd_main_kernel's and dq_writer_fused): in deterministic mode wait for
+// One step of the dQ writer (bwd_main_kernel's): in deterministic mode wait for
 // the block's turn, add the consumers' two shared-memory tiles into the fp32 accumulator acc, free
 // the tiles for the next step (more: there is one), and in deterministic mode publish the turn
 // once the adds are performed. Turn order: the key blocks of a query block one after the other,
@@ -405,211 +398,6 @@ CUTE_DEVICE void dq_writer_step(MainParams<Tr> const& p, typename Tr::SharedStor
   }
 }
 
-#if FA3_BWD_FUSED_DQ
-// ---------------------------------------------------------------------- fused dQ conversion
-// (FA3_BWD_FUSED_DQ, traits with kFusedDQ; bwd/NOTES.md "Session 7b" has the argument in full.)
-// Every CTA whose query_block_range holds query block m adds into the block's fp32 accumulator
-// exactly once per query head of its group (its step (h, m)). The preprocess sets the block's
-// arrival counter to the number of such key blocks (dq_contributors). After a step's adds are
-// complete, the CTA's dQ writer counts down (acq_rel); the one that takes the counter from 1 to 0
-// has seen every other adder's release, so the accumulator is final: its converter warp reads it
-// back (bulk copy into shared memory), scales, converts and writes dQ, then drops the lines from L2.
-CUTE_DEVICE int atom_add_acq_rel(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-// All but the newest N committed bulk groups are complete (their global writes performed).
-template <int N>
-CUTE_DEVICE void bulk_wait_group() { asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory"); }
-CUTE_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-CUTE_DEVICE void discard_l2_line(const void* p) { asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory"); }
-CUTE_DEVICE void compiler_fence() { asm volatile("" ::: "memory"); }
-
-// The dQ writer warp and the converter warp around the mailbox (ss.cvt_mail): CvtEmpty = the
-// converter has taken the last message, CvtFull = a new one is there. Ids 2, 3 (DetIn/DetOut) are
-// used only by the atomic dQ path, never in a kDQSmem kernel.
-constexpr int kCvtBarThreads = 64;
-enum : uint32_t { kBarCvtFull = kBarDetIn, kBarCvtEmpty = kBarDetOut };
-
-// dQ writer (warp 1) with the arrival count: bwd_main_kernel's writer loop (same bulk reduce-adds,
-// same deterministic turns), plus, kLag steps late so that the completion wait costs nothing, the
-// count-down of that step's block and, for the last adder, a message to the converter.
-// FA3_BWD_FUSED_DQ_LAG (bwd_traits.cuh): kLag = 1 counts down the previous step's block and reads
-// the atomic's result at once (session 7b); kLag > 1 waits only for the adds of kLag steps ago and
-// reads each count-down's result a step after issuing it, so neither the reduce-adds' completion
-// nor the atomic's round trip sits between two steps of the writer (session 8: at 1 the 64-row
-// hd128 causal backward lost 8-19% from 2k up, bwd/NOTES.md "Session 8").
-template <class Tr>
-CUTE_DEVICE void dq_writer_fused(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
-                                 int b, int group, int m_begin, int m_end) {
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
-  constexpr int kLag = FA3_BWD_FUSED_DQ_LAG;
-  static_assert(kLag >= 1 && 2 * kLag <= 8, "FA3_BWD_FUSED_DQ_LAG: 1..4 steps");
-  const bool lane0 = threadIdx.x == 32;
-  const int steps = group * (m_end - m_begin);
-  // Both smem tiles start empty (see bwd_main_kernel's writer for the barrier phases).
-  cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
-  cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
-  // Linear index of query block m of head h: the accumulator's block and its counter. An int: the
-  // accumulator holds kBlockM * kHeadDim floats per block, so 2^31 blocks would not fit in memory.
-  auto block = [&](int h, int m) { return (b * p.heads_q + h) * p.m_blocks + m; };
-  // Hand block blk (-1: no more) to the converter once it has taken the previous message.
-  auto post = [&](int blk) {
-    cutlass::arch::NamedBarrier::sync(kCvtBarThreads, kBarCvtEmpty);
-    compiler_fence();
-    if (lane0) {
-      reinterpret_cast<volatile int*>(ss.cvt_mail)[0] = blk < 0 ? 0 : blk / p.m_blocks % p.heads_q;
-      reinterpret_cast<volatile int*>(ss.cvt_mail)[1] = blk < 0 ? -1 : blk % p.m_blocks;
-      reinterpret_cast<volatile int*>(ss.cvt_mail)[2] = b;  // the converter keeps no b (hd96 spilled it)
-    }
-    compiler_fence();
-    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtFull);
-  };
-  // The count-down in flight: its block (-1: none) and lane 0's atomic result (the old count).
-  int counted = -1, counted_old = 0;
-  // The last adder (old count 1) posts the block.
-  auto settle = [&]() {
-    if (__shfl_sync(0xffffffffu, counted_old, 0) == 1 && counted >= 0) post(counted);
-    counted = -1;
-  };
-  // This CTA's adds into block blk are complete (all: every group; else all but the newest
-  // kLag steps'): publish them and count down.
-  auto count_down = [&](int blk, auto all) {
-    if (lane0) {
-      if constexpr (decltype(all)::value) bulk_wait_all();
-      else bulk_wait_group<2 * kLag>();
-      fence_proxy_async_global();  // the completed bulk adds before the generic release below
-      counted_old = atom_add_acq_rel(p.dq_arrive + blk, -1);
-    }
-    counted = blk;
-  };
-  // The block of step s, recomputed when it is counted down: a ring of the last kLag blocks
-  // spilled this 24-register warp at kLag = 3.
-  const int m_count = m_end - m_begin;
-  auto step_block = [&](int s) { return block(hk * group + s / m_count, m_begin + s % m_count); };
-  // The step's (head, query block), in the consumers' order (query blocks innermost).
-  int h = hk * group, m = m_begin;
-  const long long first_key0 = (long long)m_begin * kBlockM + (p.seqlen_k - p.seqlen_q) - p.window_left;
-  #pragma unroll 1
-  for (int step = 0; step < steps; ++step) {
-    const int blk = block(h, m);
-    dq_writer_step(p, ss, p.dq_accum + int64_t(blk) * (kBlockM * kHeadDim), p.dq_sem + blk, first_key0, m,
-                   m_begin, n_block, lane0, step + 1 < steps);
-    if constexpr (kLag > 1) settle();  // the count-down of a step ago has had a step to return
-    if (step >= kLag) count_down(step_block(step - kLag), cute::false_type{});
-    if constexpr (kLag == 1) settle();
-    if (++m == m_end) {
-      m = m_begin;
-      ++h;
-    }
-  }
-  settle();
-  #pragma unroll 1
-  for (int s = steps > kLag ? steps - kLag : 0; s < steps; ++s) {  // the last kLag steps' blocks
-    count_down(step_block(s), cute::true_type{});
-    settle();
-  }
-  post(-1);
-}
-
-// Converter (warp 2, 24 registers): for each posted block, bulk-load its fp32 accumulator (one
-// warpgroup tile per piece) into shared memory, then write dQ = softmax_scale * acc in the input
-// dtype at (b, row, h, :), rows < seqlen_q, with the fragment -> (row, column) map of the dQ
-// GEMM (as bwd_postprocess_kernel: thread 128 * piece + t holds float4 j at j * 128 + t).
-template <class Tr>
-CUTE_DEVICE void dq_converter(MainParams<Tr> const& p, typename Tr::SharedStorage& ss) {
-  using Element = typename Tr::Element;
-  using TxBar = cutlass::arch::ClusterTransactionBarrier;
-  constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim, kBufs = Tr::kCvtBufs;
-  static_assert(kBufs == 1 || kBufs == 2);
-  const int lane = threadIdx.x % 32;
-  uint32_t blocks_done = 0;
-  cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtEmpty);
-  #pragma unroll 1
-  while (true) {
-    cutlass::arch::NamedBarrier::sync(kCvtBarThreads, kBarCvtFull);
-    compiler_fence();
-    const int h = reinterpret_cast<volatile int*>(ss.cvt_mail)[0];
-    const int m = reinterpret_cast<volatile int*>(ss.cvt_mail)[1];
-    const int b = reinterpret_cast<volatile int*>(ss.cvt_mail)[2];
-    compiler_fence();
-    if (m < 0) break;
-    cutlass::arch::NamedBarrier::arrive(kCvtBarThreads, kBarCvtEmpty);  // the mailbox is free
-    const float* acc = p.dq_accum + ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * (kBlockM * kHeadDim);
-    auto load = [&](int piece) {
-      if (lane == 0) {
-        uint64_t* bar = &ss.cvt_full[piece % kBufs];
-        TxBar::arrive_and_expect_tx(bar, Tr::kDQWgBytes);
-        SM90_BULK_COPY_G2S::copy(acc + piece * Tr::kDQWgFloats, bar, ss.cvt.data() + (piece % kBufs) * Tr::kDQWgFloats,
-                                 Tr::kDQWgBytes);
-      }
-    };
-    if (lane == 0) {
-      // The writer acquired every adder's release (its count-down) and passed it on through the
-      // named barrier; make it ours at gpu scope, then visible to the async proxy's bulk reads.
-      fence_acq_rel_gpu();
-      fence_proxy_async_global();
-    }
-    if constexpr (kBufs == 2) {
-      load(0);
-      load(1);
-    }
-    const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
-    const int row_stride = p.heads_q * kHeadDim;
-    Element* dq = p.dq + ((int64_t(b) * p.seqlen_q + m * kBlockM) * p.heads_q + h) * kHeadDim;
-    typename Tr::MmadQ mma_dq;
-    // Coordinates of element i of thread t = those of its element 0 + those of thread 0's
-    // element i (a WGMMA C fragment: the thread and value modes add; host_checks/fused_dq_check.cu
-    // checks it for every tile), so each thread needs two runtime values and the rest are immediates.
-    Tensor c0 = mma_dq.get_thread_slice(0).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
-    static_assert(decltype(size(c0))::value == Tr::kDQFrag);
-    CUTLASS_PRAGMA_UNROLL
-    for (int piece = 0; piece < 2; ++piece) {
-      if constexpr (kBufs == 1) {
-        __syncwarp();  // every lane has read the previous piece out of the buffer
-        load(piece);
-      }
-      // kBufs 2: each barrier completes once per block; 1: twice (pieces 0, 1).
-      TxBar::wait(&ss.cvt_full[piece % kBufs], kBufs == 2 ? (blocks_done & 1u) : uint32_t(piece));
-      const float4* buf = reinterpret_cast<const float4*>(ss.cvt.data() + (piece % kBufs) * Tr::kDQWgFloats);
-      #pragma unroll 1
-      for (int t = lane; t < 128; t += 32) {
-        Tensor ct = mma_dq.get_thread_slice(piece * 128 + t).partition_C(make_identity_tensor(typename Tr::DQTileShape{}));
-        const int row0 = get<0>(ct(0));
-        const int rlim = rows - row0;  // rows of this thread's that exist: offset < rlim
-        Element* q = dq + row0 * row_stride + get<1>(ct(0));
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
-          const float4 v = buf[j * 128 + t];
-          const float vals[4] = {v.x, v.y, v.z, v.w};
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < 4; e += 2) {  // registers 2k, 2k+1 hold adjacent columns
-            const int dr = get<0>(c0(4 * j + e)), dc = get<1>(c0(4 * j + e));
-            if (dr < rlim) {
-              cutlass::Array<Element, 2> out;
-              out[0] = Element(vals[e] * p.softmax_scale);
-              out[1] = Element(vals[e + 1] * p.softmax_scale);
-              *reinterpret_cast<cutlass::Array<Element, 2>*>(q + dr * row_stride + dc) = out;
-            }
-          }
-        }
-      }
-    }
-    __syncwarp();  // the buffers are read: the next block may load into them
-#if FA3_BWD_FUSED_DQ_DISCARD
-    // Nothing reads the block again: drop its (dirty) lines from L2 instead of writing them back.
-    // The bulk loads that read them have completed (their barrier waits above).
-    if ((reinterpret_cast<uintptr_t>(acc) & 127u) == 0) {
-      constexpr int kLines = kBlockM * kHeadDim * int(sizeof(float)) / 128;
-      static_assert(kBlockM * kHeadDim * sizeof(float) % 128 == 0);
-      for (int i = lane; i < kLines; i += 32) discard_l2_line(reinterpret_cast<const char*>(acc) + i * 128);
-    }
-#endif
-    ++blocks_done;
-  }
-}
-#endif  // FA3_BWD_FUSED_DQ
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
@@ -637,12 +425,6 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       TxBar::init(&ss.full[s], 1);
       ClusterBar::init(&ss.empty[s], Tr::kNumMmaWG * 4);  // one arrive per consumer warp
     }
-#if FA3_BWD_FUSED_DQ
-    if constexpr (Tr::kFusedDQ) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < Tr::kCvtBufs; ++i) TxBar::init(&ss.cvt_full[i], 1);
-    }
-#endif
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
       cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
@@ -673,11 +455,6 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-#if FA3_BWD_FUSED_DQ
-      if constexpr (Tr::kFusedDQ) {
-        if (m_end > m_begin) dq_writer_fused(p, ss, n_block, hk, b, group, m_begin, m_end);
-      } else
-#endif
       if (m_end > m_begin) {
         // -------------------------------------------------------------- dQ writer (one warp)
         // Runs on the producer warpgroup's 24 registers: pointers advance incrementally and the
@@ -717,20 +494,6 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         if (lane0 && !FA3_BWD_DQ_TAIL_READ) bulk_wait_all();
       }
     }
-#if FA3_BWD_FUSED_DQ
-    else if (Tr::kFusedDQ && warp == 2) {
-      // ------------------------------------------------------------ dQ converter (one warp)
-      if constexpr (Tr::kFusedDQ) {
-        int n_block, hk, b;
-        cta_coord(p, n_block, hk, b);
-        BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-        query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-        // Shared-space storage (32-bit addresses): with the generic form the warp spilled 16 B.
-        // The writer runs exactly when this does (the same m range).
-        if (m_end > m_begin) dq_converter(p, aligned_storage<Storage, true>(smem_raw));
-      }
-    }
-#endif
   } else {
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();

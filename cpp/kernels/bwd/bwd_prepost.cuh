@@ -29,31 +29,12 @@ struct PrePostParams {
   void* dq;
   int seqlen_q, heads_q, m_blocks;
   float softmax_scale;
-#if FA3_BWD_FUSED_DQ
-  int* dq_arrive;  // (b, hq, m_blocks): key blocks that add into the query block (kFusedDQ)
-  int seqlen_k, window_left, window_right;
-#endif
 };
 
 // Element offset of (b, row, h, 0) in a (batch, seqlen_q, heads_q, head_dim) tensor: O, dO, dQ.
 CUTE_DEVICE int64_t bshd_offset(PrePostParams const& p, int b, int row, int h, int head_dim) {
   return ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * head_dim;
 }
-
-#if FA3_BWD_FUSED_DQ
-// Key blocks of kBlockN keys that add into query block m (bwd_main_kernel's CTAs whose
-// query_block_range holds m): the arrival count of the fused dQ conversion. The same band test as
-// the deterministic turn order (BandMask::key_block_range, inverse of query_block_range:
-// host_checks/block_range_check.cu, fused_dq_check.cu).
-CUTE_HOST_DEVICE int dq_contributors(int seqlen_q, int seqlen_k, int window_left, int window_right,
-                                     int m, int block_m, int block_n) {
-  if ((long long)window_left + window_right < 0) return 0;  // empty band: no key block has steps
-  BandMask band{seqlen_q, seqlen_k, window_left, window_right};
-  int nb, ne;
-  band.key_block_range(m * block_m, min(m * block_m + block_m, seqlen_q) - 1, block_n, nb, ne);
-  return ne - nb;
-}
-#endif
 
 template <class Tr>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams p) {
@@ -93,29 +74,6 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
     p.dpsum[idx] = acc;
     p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
   }
-#if FA3_BWD_FUSED_DQ
-  if constexpr (TraitsFusedDQ<Tr>::value) {
-    // The arrival count of this query block; with none, no CTA of the main kernel converts it:
-    // its dQ rows are 0 (what the postprocess writes from a cleared accumulator), written here.
-    const int count = dq_contributors(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right, m, kBlockM,
-                                      Tr::kBlockN);
-    if (threadIdx.x == 0) {
-      p.dq_arrive[bh * p.m_blocks + m] = count;
-      p.dq_sem[bh * p.m_blocks + m] = 0;
-    }
-    if (count == 0) {
-      constexpr int kVecRow = kHeadDim / 8;  // 16-byte vectors per dQ row
-      const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
-      Element* dq_out = static_cast<Element*>(p.dq);
-      for (int i = threadIdx.x; i < rows * kVecRow; i += 256) {
-        const int row = m * kBlockM + i / kVecRow;
-        *reinterpret_cast<uint4*>(dq_out + bshd_offset(p, b, row, h, kHeadDim) + (i % kVecRow) * 8) =
-            make_uint4(0u, 0u, 0u, 0u);
-      }
-      return;  // nothing adds into this block's accumulator
-    }
-  }
-#endif
   float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
   CUTLASS_PRAGMA_UNROLL
   for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);

@@ -220,30 +220,6 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #ifndef FA3_BWD_DQ_RED
 #define FA3_BWD_DQ_RED 1
 #endif
-// dQ converted in the main kernel (FA3_BWD_FUSED_DQ=1, default; session 7b): the last CTA to
-// add into a query block's fp32 dQ rows (a per-block arrival counter, set by the preprocess to
-// the number of key blocks that touch the block) scales and converts them, and the postprocess
-// kernel is not launched. A second instantiation of the tiles with the smem dQ path, an unswapped
-// dQ GEMM and room for the staging buffer (BwdTraitsFused; kFusedDQ below: hd64, hd96, the 64-row
-// hd128), launched for problems with seqlen_q <= FA3_BWD_FUSED_DQ_MAX_SEQLEN (bwd_launch.cuh,
-// with_bwd_traits). Session 9 A/B (bf16, 16k tokens): +20% hd128 causal and +9% hd64 causal at
-// 512, +4% hd128 causal at 1k, but -7% at 2k and -15% from 8k (hd128 causal), -2..-3% hd64 from
-// 8k; the cause of the long-sequence loss is not found (not the writer's completion wait:
-// FA3_BWD_FUSED_DQ_LAG=3 lost as much). bwd/NOTES.md "Session 7b" has the protocol and why every
-// dQ element is written exactly once. FA3_BWD_FUSED_DQ_DISCARD (default 1 with it): drop the
-// converted accumulator lines from L2 (discard.global.L2) so that they are never written back.
-#ifndef FA3_BWD_FUSED_DQ
-#define FA3_BWD_FUSED_DQ 1
-#endif
-#ifndef FA3_BWD_FUSED_DQ_MAX_SEQLEN
-#define FA3_BWD_FUSED_DQ_MAX_SEQLEN 1024
-#endif
-#ifndef FA3_BWD_FUSED_DQ_DISCARD
-#define FA3_BWD_FUSED_DQ_DISCARD 1
-#endif
-// FA3_BWD_FUSED_DQ_LAG (1..4, default 1): how many steps after its adds the dQ writer counts a
-// block down (bwd_main.cuh, dq_writer_fused); above 1 it also reads each count-down's result a
-// step later. Session 9 A/B: 3 was no better than 1 (within 2% at 2k-16k, -6% at 512).
 // FA3_BWD_DS_BEFORE_DV (default 1 since session 10: alone +1.7..+3.1% at hd64; 0 = dS after
 // dV, the session-9 order; the d <= 128 tiles, kDsBeforeDv): in each sub-step store the dS^T
 // columns to shared memory before issuing dV += P^T dO instead of after, so the stores drain while
@@ -251,9 +227,6 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 // backward this way). The fence and the dS barrier stay after the dV issue.
 #ifndef FA3_BWD_DS_BEFORE_DV
 #define FA3_BWD_DS_BEFORE_DV 1
-#endif
-#ifndef FA3_BWD_FUSED_DQ_LAG
-#define FA3_BWD_FUSED_DQ_LAG 1
 #endif
 static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
               "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");
@@ -270,13 +243,6 @@ template <class T, class = void> struct TileDQSwapAB : std::false_type {};
 template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
 template <class T, class = void> struct TileDQSplitM : std::false_type {};
 template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
-// A tile of the fused-dQ instantiation (BwdTraitsFused) and its test.
-template <class Tile> struct FusedDQTile : Tile { static constexpr bool kFuseDQ = true; };
-template <class T, class = void> struct TileFuseDQ : std::false_type {};
-template <class T> struct TileFuseDQ<T, std::void_t<decltype(T::kFuseDQ)>> : std::bool_constant<T::kFuseDQ> {};
-// kFusedDQ of a traits class (false where it does not say: the split-D traits).
-template <class T, class = void> struct TraitsFusedDQ : std::false_type {};
-template <class T> struct TraitsFusedDQ<T, std::void_t<decltype(T::kFusedDQ)>> : std::bool_constant<T::kFusedDQ> {};
 template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
 
@@ -289,8 +255,6 @@ template <typename Element, int kHeadDim, bool kSoftcap>
 struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
 template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
-template <typename Element, int kHeadDim, bool kSoftcap>
-struct BwdTraitsFused : BwdTraitsT<Element, kHeadDim, kSoftcap, FusedDQTile<BwdTile<kHeadDim>>> {};
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -417,13 +381,6 @@ struct BwdTraitsT {
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
-  // FA3_BWD_FUSED_DQ: the dQ writer's last adder converts (bwd_main.cuh, dq_writer_fused and
-  // dq_converter). The converter warp stages one warpgroup's fp32 tile (kDQWgFloats) at a time in
-  // kCvtBufs shared buffers: two where they fit (hd96, hd128: both halves load at once), one at
-  // hd64 (128 rows: 40 B short of two). The 80-row hd128 tile has 768 B free: no staging, no fusion.
-  static constexpr bool kFusedDQ = FA3_BWD_FUSED_DQ != 0 && TileFuseDQ<Tile_>::value && kDQSmem && !kDQSwapAB &&
-                                   kStagesdS == 2;
-  static constexpr int kCvtBufs = kHeadDim == 64 ? 1 : 2;
   // FA3_BWD_TMA_DKV: dK/dV leave through shared memory and TMA (DKVStore below). Needs one pass
   // (a pass > 0 has no dS barrier, so the warpgroups are not in step at its end) and a second Q/dO
   // stage (the one the last step does not read).
@@ -492,13 +449,6 @@ struct BwdTraitsT {
     uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-#if FA3_BWD_FUSED_DQ
-    // dQ converter (kFusedDQ): fp32 staging of one warpgroup tile per buffer, its bulk-load
-    // barriers, and the writer's mailbox (query head, query block, batch to convert; block -1: no more).
-    cute::array_aligned<float, kFusedDQ ? kCvtBufs * kDQWgFloats : 4, 128> cvt;
-    uint64_t cvt_full[2];
-    int cvt_mail[3];
-#endif
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
