@@ -356,10 +356,9 @@ CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStora
   }
 }
 
-// One step of the dQ writer (bwd_main_kernel's): in deterministic mode wait for
-// the block's turn, add the consumers' two shared-memory tiles into the fp32 accumulator acc, free
-// the tiles for the next step (more: there is one), and in deterministic mode publish the turn
-// once the adds are performed. Turn order: the key blocks of a query block one after the other,
+// One step of the dQ writer: in deterministic mode wait for the block's turn, add the consumers'
+// two shared-memory tiles into the fp32 accumulator acc, free the tiles for the next step (more:
+// there is one), and in deterministic mode publish the turn once the adds are performed. Turn order: the key blocks of a query block one after the other,
 // from the first (band.key_block_range's n_begin; the CTA's m range guarantees the band is not
 // empty): its semaphore sem holds n_block - (first key block) when this key block's adds are next.
 // The query block is m, the CTA's first m_begin; first_key0 the first key m_begin sees.

@@ -13,7 +13,6 @@
 #include <cmath>
 
 #include "bwd/bwd_traits.cuh"
-#include "common/mask.cuh"
 
 namespace fa3 {
 namespace bwd {
