@@ -183,6 +183,42 @@ def test_long_sequence(causal):
     _check(1, 4097, 4097, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB, oracle="f32")
 
 
+def _tail_split_shape():
+    """Kv heads for 2 key blocks per head (seqlen_k 256) and 2 more units than the device has
+    SMs: the main kernel then runs one full wave of whole units and splits the last 2 units'
+    query blocks over several CTAs each (bwd_order.cuh BwdTailSplit), so one call checks both
+    kinds of CTA and the dK/dV tail kernel."""
+    sms = getattr(jax.devices()[0], "core_count", None)
+    assert sms, "the device reports no SM count (jax Device.core_count)"
+    return sms // 2 + 1
+
+
+@pytest.mark.parametrize("d", [d for d in helpers.KERNEL_HEAD_DIMS if d <= 128])
+@pytest.mark.parametrize("group", [1, 2], ids=["mha", "gqa2"])
+def test_tail_split(d, group):
+    hkv = _tail_split_shape()
+    _check(1, 700, 256, hkv * group, hkv, d, jnp.bfloat16)
+
+
+def test_tail_split_deterministic_bitwise():
+    d = _first_compiled()
+    hkv = _tail_split_shape()
+    q, k, v = helpers.random_qkv(_next_key(), 1, 700, 256, hkv, hkv, d, jnp.bfloat16)
+    dout = helpers.random_like(_next_key(), q)
+    scale = 1.0 / np.sqrt(d)
+    out64, lse64 = helpers.reference_f64(q, k, v)
+    out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
+    lse = jnp.asarray(np.asarray(lse64, np.float32))
+    runs = [_kernel_bwd(q, k, v, out, lse, dout, UNB, UNB, 0.0, scale, deterministic=True)
+            for _ in range(2)]
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[1]):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+    ref = helpers.reference_grads_f64(q, k, v, dout)
+    base = _baseline(q, k, v, dout, dict(left=UNB, right=UNB))
+    for name, got, r, bl in zip(("dq", "dk", "dv"), runs[0], ref, base):
+        helpers.assert_error_ratio(name, got, r, bl)
+
+
 @pytest.mark.parametrize("left,right,hkv", [
     (UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4),
 ])

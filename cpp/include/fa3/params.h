@@ -76,7 +76,7 @@ struct BwdParams {
   void* dv = nullptr;
   // Scratch from the FFI ScratchAllocator, sized by bwd_workspace_bytes().
   void* workspace = nullptr;
-  int num_sms = 0;
+  int num_sms = 0;  // multiprocessors of the device, for the main kernel's tail split (bwd_order.cuh)
 };
 
 }  // namespace fa3

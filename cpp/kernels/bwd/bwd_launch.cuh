@@ -17,11 +17,33 @@
 namespace fa3 {
 namespace bwd {
 
+// The main kernel's CTA order (bwd_order.cuh) for this call.
+template <class Tr>
+BwdTileOrder tile_order(const BwdParams& p) {
+  const auto& s = p.shape;
+  return BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
+                      bwd_order_section(s, p.opts, int(sizeof(typename Tr::Element)))};
+}
+
+// The main kernel's tail split (bwd_order.cuh BwdTailSplit) for this call: the one choice that
+// the workspace layout, the grid and the dK/dV tail kernel share.
+template <class Tr>
+BwdTailSplit tail_split(const BwdParams& p) {
+  const auto& s = p.shape;
+  const int num_tiles = tile_order<Tr>(p).num_tiles();
+  if constexpr (IsSplitD<Tr>::value || !kTailSplitOk<Tr>) {
+    return BwdTailSplit{num_tiles, 0, 1};
+  } else {
+    const int m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    return bwd_tail_split(num_tiles, m_blocks, s.heads_q / s.heads_kv, p.num_sms, band_limits_work(s, p.opts));
+  }
+}
+
 // Workspace (each part 256-byte aligned), sq_pad = m_blocks * kBlockM:
 //   lse_log2 (b, hq, sq_pad) f32 | dpsum (b, hq, sq_pad) f32 | dq_accum (b, hq, sq_pad, d) f32 |
-//   dq_sem (b, hq, m_blocks) i32
+//   dq_sem (b, hq, m_blocks) i32 | dkv_part (tail slots, 2, kBlockN * d) f32 (none unless split)
 struct Workspace {
-  size_t lse_off, dpsum_off, dq_off, sem_off, total;
+  size_t lse_off, dpsum_off, dq_off, sem_off, dkv_off, total;
 };
 
 inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
@@ -36,7 +58,9 @@ Workspace workspace_layout(const BwdParams& p) {
   w.dpsum_off = align256(w.lse_off + rows * sizeof(float));
   w.dq_off = align256(w.dpsum_off + rows * sizeof(float));
   w.sem_off = align256(w.dq_off + rows * Tr::kHeadDim * sizeof(float));
-  w.total = align256(w.sem_off + bh * m_blocks * sizeof(int));
+  w.dkv_off = align256(w.sem_off + bh * m_blocks * sizeof(int));
+  const size_t slots = size_t(tail_split<Tr>(p).num_slots());
+  w.total = align256(w.dkv_off + slots * 2 * Tr::kBlockN * Tr::kHeadDim * sizeof(float));
   return w;
 }
 
@@ -66,7 +90,8 @@ auto dkv_tma_store(void* ptr, const AttentionShape& s) {
 #endif
 
 template <class Tr>
-cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_t stream) {
+cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSplit split, float* dkv_part,
+                        cudaStream_t stream) {
   using Element = typename Tr::Element;
   const auto& s = p.shape;
   auto gtensor = [&](const void* ptr, int seqlen, int heads) {
@@ -96,8 +121,9 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
       sc.pre_tanh,
       p.opts.softmax_scale,
       p.deterministic ? 1 : 0,
-      BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
-                   bwd_order_section(s, p.opts, int(sizeof(Element)))}
+      tile_order<Tr>(p),
+      split,
+      dkv_part
 #if FA3_BWD_TMA_DKV
       , dkv_tma_store<Tr, false>(p.dk, s), dkv_tma_store<Tr, true>(p.dv, s)
 #endif
@@ -113,7 +139,8 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, cudaStream_
   // FA3_BWD_LPT: one linear index per CTA, decoded in the longest-first section order (the
   // split-D kernel keeps the 3D grid unless FA3_BWD_HD256_LPT).
   constexpr bool kLinear = IsSplitD<Tr>::value ? FA3_BWD_HD256_LPT != 0 : FA3_BWD_LPT != 0;
-  const dim3 grid = kLinear ? dim3(mp.order.num_tiles()) : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
+  // FA3_BWD_TAIL_SPLIT: the tail units' CTAs follow the whole units (split.num_ctas()).
+  const dim3 grid = kLinear ? dim3(split.num_ctas()) : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
   kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
   return cudaGetLastError();
 }
@@ -163,13 +190,25 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   pp.m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   pp.softmax_scale = p.opts.softmax_scale;
 
+  // Tr and TrCap share the tile (kBlockM, kBlockN, passes), so one split serves both.
+  const BwdTailSplit split = tail_split<Tr>(p);
+  float* dkv_part = reinterpret_cast<float*>(ws + w.dkv_off);
+
   dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
   bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
   if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
-  cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, stream)
-                                         : launch_main<Tr>(p, pp, stream);
+  cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, split, dkv_part, stream)
+                                         : launch_main<Tr>(p, pp, split, dkv_part, stream);
   if (err != cudaSuccess) return err;
   bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
+  if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
+  if constexpr (!IsSplitD<Tr>::value && kTailSplitOk<Tr>) {
+    if (split.tail > 0) {
+      static_assert(Tr::kBlockM == TrCap::kBlockM && Tr::kBlockN == TrCap::kBlockN && Tr::kPasses == TrCap::kPasses);
+      const DKVTailParams tp{dkv_part, p.dk, p.dv, tile_order<Tr>(p), split, s.seqlen_k};
+      bwd_dkv_tail_kernel<Tr><<<split.tail, 256, 0, stream>>>(tp);
+    }
+  }
   return cudaGetLastError();
 }
 

@@ -48,6 +48,8 @@ struct MainParams {
   float softmax_scale;
   int deterministic;
   BwdTileOrder order;  // FA3_BWD_LPT: the 1D grid's CTA order (bwd_order.cuh)
+  BwdTailSplit split;  // FA3_BWD_TAIL_SPLIT: the tail units' CTAs (bwd_order.cuh)
+  float* dkv_part;     // (split slots, 2, kBlockN * head_dim): the tail CTAs' fp32 dK, dV
 #if FA3_BWD_TMA_DKV
   // dK/dV TMA stores over (seqlen_k, head_dim, heads_kv, batch) (store_dkv_tma; placeholders for
   // traits without kTmaDKV). launch_main's last two initializers (dkv_tma_store).
@@ -55,19 +57,6 @@ struct MainParams {
   typename DKVStore<Tr>::TmaDV tma_dv;
 #endif
 };
-
-// (key block, kv head, batch) of this CTA: from the 3D grid, or decoded from the 1D grid in the
-// longest-first section order (FA3_BWD_LPT). Each role calls it after its setmaxnreg.
-template <class Tr>
-CUTE_DEVICE void cta_coord(MainParams<Tr> const& p, int& n_block, int& hk, int& b) {
-  if constexpr (FA3_BWD_LPT != 0) {
-    p.order.decode(int(blockIdx.x), n_block, hk, b);
-  } else {
-    n_block = blockIdx.x;
-    hk = blockIdx.y;
-    b = blockIdx.z;
-  }
-}
 
 // Query blocks [m_begin, m_end) holding a row that sees some key of key block n_block.
 CUTE_HOST_DEVICE void query_block_range(BandMask const& band, int n_block, int block_n, int block_m,
@@ -83,6 +72,33 @@ CUTE_HOST_DEVICE void query_block_range(BandMask const& band, int n_block, int b
   if (hi < lo) return;
   m_begin = int(lo / block_m);
   m_end = int(hi / block_m) + 1;
+}
+
+// Whether the main kernel can run a tail unit split over several CTAs (BwdTailSplit): one pass
+// over the query blocks (dK/dV whole in registers at the end) and the 1D grid.
+template <class Tr>
+constexpr bool kTailSplitOk = Tr::kPasses == 1 && FA3_BWD_LPT != 0 && FA3_BWD_TAIL_SPLIT != 0;
+
+// This CTA's work: the unit (key block, kv head, batch), from the 3D grid or decoded from the 1D
+// grid in the longest-first section order (FA3_BWD_LPT), and its query blocks [m_begin, m_end);
+// slot >= 0 when it runs a share of a tail unit (BwdTailSplit), its dK/dV workspace slot.
+// Each role calls it after its setmaxnreg.
+template <class Tr>
+CUTE_DEVICE void cta_work(MainParams<Tr> const& p, int& n_block, int& hk, int& b, int& m_begin, int& m_end,
+                          int& slot) {
+  int unit = int(blockIdx.x);
+  slot = -1;
+  if constexpr (kTailSplitOk<Tr>) unit = p.split.unit_of(unit, slot);
+  if constexpr (FA3_BWD_LPT != 0) {
+    p.order.decode(unit, n_block, hk, b);
+  } else {
+    n_block = blockIdx.x;
+    hk = blockIdx.y;
+    b = blockIdx.z;
+  }
+  BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  query_block_range(band, n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+  if (slot >= 0) p.split.share(slot, m_begin, m_end);
 }
 
 CUTE_DEVICE int ld_acquire(const int* p) {
@@ -207,7 +223,7 @@ CUTE_DEVICE auto qdo_head_tiles(MainParams<Tr> const& p, int h, int b) {
 // LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
 // Shared by bwd_main_kernel and bwd_split_d_kernel (both SharedStorage types hold k, v, q, dout,
 // lse, dpsum and the kv_full/full/empty barriers); each passes the CTA's coordinates from its own
-// grid (main: cta_coord, split-D: the 3D grid).
+// grid (main: cta_work, split-D: the 3D grid).
 template <class Tr>
 CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
                                    int b, int group, int m_begin, int m_end) {
@@ -356,6 +372,24 @@ CUTE_DEVICE void store_dkv_tma(MainParams<Tr> const& p, typename Tr::SharedStora
   }
 }
 
+// A tail CTA's share of its unit's dK (scaled by softmax_scale) and dV, in fp32 to workspace slot
+// `slot` (BwdTailSplit): float4 j of consumer thread ct at j * 256 + ct (coalesced), dK's
+// fragment then dV's, as bwd_dkv_tail_kernel reads them back. ct is the dK/dV MMA's thread index.
+template <class Tr, class FragK, class FragV>
+CUTE_DEVICE void store_dkv_part(MainParams<Tr> const& p, FragK const& tdKrdK, FragV const& tdVrdV, int slot,
+                                int ct) {
+  constexpr int kVec = decltype(size(tdKrdK))::value / 4;
+  static_assert(Tr::kNumMmaThreads == 256 && kVec * 4 * 256 == Tr::kBlockN * Tr::kHeadDim);
+  float4* dst = reinterpret_cast<float4*>(p.dkv_part + int64_t(slot) * (2 * Tr::kBlockN * Tr::kHeadDim));
+  const float sc = p.softmax_scale;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kVec; ++j) {
+    dst[j * 256 + ct] = make_float4(tdKrdK(4 * j) * sc, tdKrdK(4 * j + 1) * sc, tdKrdK(4 * j + 2) * sc,
+                                    tdKrdK(4 * j + 3) * sc);
+    dst[(kVec + j) * 256 + ct] = make_float4(tdVrdV(4 * j), tdVrdV(4 * j + 1), tdVrdV(4 * j + 2), tdVrdV(4 * j + 3));
+  }
+}
+
 // One step of the dQ writer: in deterministic mode wait for the block's turn, add the consumers'
 // two shared-memory tiles into the fp32 accumulator acc, free the tiles for the next step (more:
 // there is one), and in deterministic mode publish the turn once the adds are performed. Turn order: the key blocks of a query block one after the other,
@@ -441,19 +475,15 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     int m_begin, m_end;
     if (warp == 0) {
       Storage& ss = storage();
-      int n_block, hk, b;
-      cta_coord(p, n_block, hk, b);
+      int n_block, hk, b, slot;
+      cta_work(p, n_block, hk, b, m_begin, m_end, slot);
       const int group = p.heads_q / p.heads_kv;
-      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
       if (threadIdx.x == 0 && m_end > m_begin) load_kv_and_steps(p, ss, n_block, hk, b, group, m_begin, m_end);
     } else if (Tr::kDQSmem && warp == 1) {
       Storage& ss = storage();
-      int n_block, hk, b;
-      cta_coord(p, n_block, hk, b);
+      int n_block, hk, b, slot;
+      cta_work(p, n_block, hk, b, m_begin, m_end, slot);
       const int group = p.heads_q / p.heads_kv;
-      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
       if (m_end > m_begin) {
         // -------------------------------------------------------------- dQ writer (one warp)
         // Runs on the producer warpgroup's 24 registers: pointers advance incrementally and the
@@ -497,12 +527,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     // ------------------------------------------------------------------ consumers
     cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
     Storage& ss = consumer_storage();
-    int n_block, hk, b;
-    cta_coord(p, n_block, hk, b);
+    int n_block, hk, b, m_begin, m_end, slot;
+    cta_work(p, n_block, hk, b, m_begin, m_end, slot);
     const int group = p.heads_q / p.heads_kv;
     BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-    int m_begin, m_end;
-    query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
     const bool has_work = m_end > m_begin;
     int ct, wg, t_in_wg;
     consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
@@ -864,7 +892,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       warpgroup_fence_operand(tdKrdK);
       warpgroup_fence_operand(tdVrdV);
 
-      // Epilogue of the pass: this pass's columns of dK (scaled) and dV, in the input dtype.
+      // Epilogue of the pass: this pass's columns of dK (scaled) and dV, in the input dtype; a
+      // tail unit's share in fp32 to its workspace slot.
+      if constexpr (kTailSplitOk<Tr>) {
+        if (slot >= 0) {
+          store_dkv_part(p, tdKrdK, tdVrdV, slot, ct);
+          continue;  // kPasses == 1: the end of the kernel
+        }
+      }
       if constexpr (DKVStore<Tr>::kEnabled) {
         store_dkv_tma(p, ss, tdKrdK, tdVrdV, it, n_block, hk, b, wg, t_in_wg);
         continue;  // kPasses == 1: the end of the kernel

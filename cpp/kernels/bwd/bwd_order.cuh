@@ -25,6 +25,11 @@
 #ifndef FA3_BWD_LPT
 #define FA3_BWD_LPT 1
 #endif
+// FA3_BWD_TAIL_SPLIT: without a band, the units left over after the last full wave run as
+// several CTAs each, over a share of the unit's query blocks (BwdTailSplit below).
+#ifndef FA3_BWD_TAIL_SPLIT
+#define FA3_BWD_TAIL_SPLIT 1
+#endif
 
 namespace fa3 {
 namespace bwd {
@@ -66,6 +71,68 @@ inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& op
   while (int64_t(section) * 2 <= fit) section *= 2;
   const int64_t total = int64_t(heads_kv) * batch;
   return int(section < total ? section : (total > 0 ? total : 1));
+}
+
+// The last wave's split (FA3_BWD_TAIL_SPLIT; main kernel, one-pass tiles, no band). Without a
+// band every unit (key block, kv head, batch) has the same work, so on num_sms SMs the
+// num_tiles % num_sms units past the last full wave run alone while the other SMs idle: at 16k
+// tokens every hd64 problem is 4096 units on 132 SMs, 31 waves and 4 units, ~3% of the time.
+// Here those tail units run as `parts` CTAs each, CTA `part` taking the query blocks
+// [m_begin + part * len / parts, m_begin + (part + 1) * len / parts) (none empty: parts <= len).
+// Such a CTA stores its fp32 dK (scaled) and dV in its own workspace slot; bwd_dkv_tail_kernel
+// sums a unit's slots in part order (deterministic) and writes dK/dV. dQ is untouched: every
+// query block still gets each key block's add exactly once, and the parts of a unit come after
+// every lower key block of their head in the linear order (deterministic turns stay safe).
+// CTA linear index l: l < full is unit l (as without the split); else slot l - full, of unit
+// full + (l - full) / parts.
+struct BwdTailSplit {
+  int full;   // units that run whole (the first `full` of the order)
+  int tail;   // units after them that run split, 0 without a split
+  int parts;  // CTAs per tail unit (1 without a split)
+
+  CUTE_HOST_DEVICE int num_slots() const { return tail * parts; }
+  CUTE_HOST_DEVICE int num_ctas() const { return full + num_slots(); }
+
+  // CTA linear index -> its unit (linear in BwdTileOrder) and, for a tail CTA, its slot (else -1).
+  CUTE_HOST_DEVICE int unit_of(int cta, int& slot) const {
+    if (cta < full) {
+      slot = -1;
+      return cta;
+    }
+    slot = cta - full;
+    return full + slot / parts;
+  }
+  // A tail CTA's share of its unit's query blocks [m_begin, m_end) (part slot % parts).
+  CUTE_HOST_DEVICE void share(int slot, int& m_begin, int& m_end) const {
+    const int part = slot % parts, m0 = m_begin, len = m_end - m_begin;
+    m_begin = m0 + part * len / parts;
+    m_end = m0 + (part + 1) * len / parts;
+  }
+};
+
+// Host: the split of `num_tiles` equal units of `m_len` query blocks (times `group` query heads)
+// on num_sms SMs, one CTA per SM: the `parts` that minimises the tail's modelled time,
+// ceil(tail * parts / num_sms) rounds of (group * ceil(m_len / parts) + kCtaCost) steps, against
+// group * m_len + kCtaCost unsplit. kCtaCost ~2 steps: K/V load, pipeline fill, the epilogue
+// (host_checks/order_check.cu models the makespans). At most kMaxRounds rounds of tail CTAs:
+// more gains little and costs workspace (2 x 128 keys x head_dim fp32 per slot) and the
+// tail kernel's reads. No split with a band (unequal units: the longest-first order handles
+// them) or when nothing is gained.
+inline BwdTailSplit bwd_tail_split(int num_tiles, int m_len, int group, int num_sms, bool banded) {
+  const BwdTailSplit none{num_tiles, 0, 1};
+  if (FA3_BWD_TAIL_SPLIT == 0 || banded || num_sms <= 0 || m_len < 2 || num_tiles <= 0) return none;
+  const int tail = num_tiles % num_sms;
+  if (tail == 0) return none;
+  constexpr int64_t kCtaCost = 2, kMaxParts = 64, kMaxRounds = 2;
+  int best = 1;
+  int64_t best_cost = int64_t(group) * m_len + kCtaCost;
+  for (int parts = 2; parts <= m_len && parts <= kMaxParts; ++parts) {
+    const int64_t rounds = (int64_t(tail) * parts + num_sms - 1) / num_sms;
+    if (rounds > kMaxRounds) break;
+    const int64_t cost = rounds * (int64_t(group) * ((m_len + parts - 1) / parts) + kCtaCost);
+    if (cost < best_cost) best = parts, best_cost = cost;
+  }
+  return best == 1 ? none : BwdTailSplit{num_tiles - tail, tail, best};
 }
 
 }  // namespace bwd

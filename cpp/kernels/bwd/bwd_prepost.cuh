@@ -8,10 +8,13 @@
 //     written in (batch, seqlen_q, heads, head_dim) layout. The accumulator holds each dQ chunk
 //     in the register-fragment order of the main kernel's dQ WGMMA (so the main kernel's atomics
 //     are 16-byte, fully coalesced); the same tiled MMA's identity partition maps it back.
+//   dK/dV of the split tail units (grid: tail unit; 256 threads, only when BwdTailSplit splits):
+//     the sum of the unit's fp32 workspace slots, in part order, converted and written.
 #pragma once
 
 #include <cmath>
 
+#include "bwd/bwd_order.cuh"
 #include "bwd/bwd_traits.cuh"
 
 namespace fa3 {
@@ -136,6 +139,63 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
       const int q = i / kVecPerRow, v8 = i % kVecPerRow;
       *reinterpret_cast<uint4*>(dq + q * row_stride + c * kChunk + 8 * v8) =
           *reinterpret_cast<const uint4*>(tile + q * kPitch + 8 * v8);
+    }
+  }
+}
+
+// The split tail units' dK/dV (BwdTailSplit, bwd_order.cuh). CTA r owns unit split.full + r: it
+// sums the unit's `parts` slots (store_dkv_part's layout: float4 j of thread ct at j * 256 + ct,
+// dK then dV, dK already scaled) in part order, so the result does not depend on which CTA ended
+// first, and writes them where the main kernel's epilogue would have: thread ct holds the
+// fragment of dK/dV MMA thread ct, whose identity partition gives each value's (key, column);
+// values 2k, 2k + 1 are adjacent columns. Small (the tail is < one wave of units): plain stores.
+struct DKVTailParams {
+  const float* dkv_part;
+  void* dk;
+  void* dv;
+  BwdTileOrder order;
+  BwdTailSplit split;
+  int seqlen_k;
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(256) bwd_dkv_tail_kernel(const DKVTailParams p) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
+  constexpr int kVec = kBlockN * kHeadDim / (4 * 256);  // float4 per thread and tensor
+  static_assert(Tr::kPasses == 1 && Tr::kNumMmaThreads == 256 && kVec * 4 * 256 == kBlockN * kHeadDim);
+  const int ct = threadIdx.x;
+  int n_block, hk, b;
+  p.order.decode(p.split.full + int(blockIdx.x), n_block, hk, b);
+  typename Tr::MmadKV mma_dkv;
+  Tensor cKV = mma_dkv.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  static_assert(decltype(size(cKV))::value == 4 * kVec);
+  const float4* slots = reinterpret_cast<const float4*>(p.dkv_part) + int64_t(blockIdx.x) * p.split.parts * (2 * kVec * 256);
+  const int64_t row_stride = int64_t(p.order.heads_kv) * kHeadDim;
+  const int64_t base = (int64_t(b) * p.seqlen_k * p.order.heads_kv + hk) * kHeadDim;
+  CUTLASS_PRAGMA_UNROLL
+  for (int t = 0; t < 2; ++t) {  // dK, dV
+    Element* out = static_cast<Element*>(t == 0 ? p.dk : p.dv) + base;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kVec; ++j) {
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      #pragma unroll 1
+      for (int part = 0; part < p.split.parts; ++part) {
+        const float4 v = slots[(int64_t(part) * 2 + t) * (kVec * 256) + j * 256 + ct];
+        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+      }
+      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < 4; e += 2) {
+        const auto at = cKV(4 * j + e);
+        const int key = n_block * kBlockN + get<0>(at);
+        if (key < p.seqlen_k) {
+          cutlass::Array<Element, 2> pair;
+          pair[0] = Element(vals[e]);
+          pair[1] = Element(vals[e + 1]);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + key * row_stride + get<1>(at)) = pair;
+        }
+      }
     }
   }
 }

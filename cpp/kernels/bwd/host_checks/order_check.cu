@@ -6,6 +6,9 @@
 //   4. longest first: with a causal band, the work (query blocks visited, query_block_range)
 //      never grows along the linear order inside a section;
 //   5. bwd_order_section: 1 without a band, else a power of two in [1, heads_kv * batch].
+//   6. the tail split (BwdTailSplit): every (unit, query block) is run by exactly one CTA, no CTA
+//      is empty, tail slots are distinct and below num_slots(), only units past the last full
+//      wave split, and the split's modelled makespan is never longer than without it.
 // Then a model of the schedule (132 SMs take CTAs in linear order, a CTA costs a fixed start
 // plus its steps) for the benchmark shapes: default vs LPT makespan, the basis of the NOTES
 // prediction.
@@ -88,6 +91,55 @@ int main() {
     if (s < 1 || s > hkv * batch || (s != hkv * batch && (s & (s - 1))) || (!banded && s != 1)) ++sbad;  // clamped to all heads, else a power of two
   }
   printf("order: %d tiles checked, %d bad; section widths: %d bad\n", cases, bad, sbad);
+
+  // 6. Tail split: coverage, shares, slots; cost model (a CTA costs 2 + its steps, as
+  // bwd_tail_split assumes) against the unsplit grid.
+  int tbad = 0, split_cases = 0;
+  for (int it = 0; it < 4000; ++it) {
+    const int sms = it % 3 ? 132 : 1 + rand() % 200;
+    const int units = 1 + rand() % (it % 2 ? 600 : 6000), m_len = 1 + rand() % 300, group = 1 + rand() % 4;
+    const BwdTailSplit t = bwd_tail_split(units, m_len, group, sms, false);
+    if (bwd_tail_split(units, m_len, group, sms, true).tail != 0) ++tbad;  // never with a band
+    if (t.full + t.tail != units || (t.tail == 0) != (t.parts == 1) || t.parts > m_len) { ++tbad; continue; }
+    if (t.tail > 0 && (t.tail != units % sms)) ++tbad;
+    split_cases += t.tail > 0;
+    std::vector<int> covered(size_t(units) * m_len, 0), slot_seen(t.num_slots(), 0);
+    std::vector<double> cost_split, cost_whole(units, 2.0 + group * m_len);
+    for (int cta = 0; cta < t.num_ctas(); ++cta) {
+      int slot, mb = 0, me = m_len;
+      const int u = t.unit_of(cta, slot);
+      if (u < 0 || u >= units) { ++tbad; continue; }
+      if (slot >= 0) {
+        if (slot >= t.num_slots() || slot_seen[slot]++) ++tbad;
+        t.share(slot, mb, me);
+      }
+      if (me <= mb) ++tbad;
+      for (int m = mb; m < me; ++m) covered[size_t(u) * m_len + m]++;
+      cost_split.push_back(2.0 + group * (me - mb));
+    }
+    for (int c : covered) if (c != 1) ++tbad;
+    if (makespan(cost_split, sms) > makespan(cost_whole, sms) + 1e-9) ++tbad;
+  }
+  printf("tail split: 4000 shapes (%d split), %d bad\n", split_cases, tbad);
+  bad += tbad;
+  printf("model (132 SMs, no band, makespan in steps; split / whole):\n");
+  for (int hd : {64, 128}) {
+    const int bm = hd == 64 ? 128 : 80;  // hd128: the 80-row steps of unbanded problems
+    for (int seq : {512, 1024, 2048, 4096, 8192, 16384}) {
+      const int units = 16384 / seq * (2048 / hd) * (seq / 128), m_len = (seq + bm - 1) / bm;
+      const BwdTailSplit t = bwd_tail_split(units, m_len, 1, 132, false);
+      std::vector<double> whole(units, 2.0 + m_len), split;
+      for (int cta = 0; cta < t.num_ctas(); ++cta) {
+        int slot, mb = 0, me = m_len;
+        t.unit_of(cta, slot);
+        if (slot >= 0) t.share(slot, mb, me);
+        split.push_back(2.0 + (me - mb));
+      }
+      const double mw = makespan(whole, 132), ms = makespan(split, 132);
+      printf("  hd%-3d %5d: %5d units, tail %3d x %2d parts  whole %7.1f  split %7.1f  speedup %.3f\n", hd, seq,
+             units, t.tail, t.parts, mw, ms, mw / ms);
+    }
+  }
 
   // Schedule model: a CTA costs `start` + its steps (one step = one query block of 64 rows).
   // start ~ 3 steps: K/V load, first Q/dO, dK/dV epilogue (a guess; see NOTES).
