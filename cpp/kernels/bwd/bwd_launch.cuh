@@ -206,7 +206,7 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
     if (split.tail > 0) {
       static_assert(Tr::kBlockM == TrCap::kBlockM && Tr::kBlockN == TrCap::kBlockN && Tr::kPasses == TrCap::kPasses);
       const DKVTailParams tp{dkv_part, p.dk, p.dv, tile_order<Tr>(p), split, s.seqlen_k};
-      bwd_dkv_tail_kernel<Tr><<<split.tail, 256, 0, stream>>>(tp);
+      bwd_dkv_tail_kernel<Tr><<<dim3(split.tail, 2 * kDKVTailVec<Tr>), 256, 0, stream>>>(tp);
     }
   }
   return cudaGetLastError();

@@ -8,8 +8,8 @@
 //     written in (batch, seqlen_q, heads, head_dim) layout. The accumulator holds each dQ chunk
 //     in the register-fragment order of the main kernel's dQ WGMMA (so the main kernel's atomics
 //     are 16-byte, fully coalesced); the same tiled MMA's identity partition maps it back.
-//   dK/dV of the split tail units (grid: tail unit; 256 threads, only when BwdTailSplit splits):
-//     the sum of the unit's fp32 workspace slots, in part order, converted and written.
+//   dK/dV of the split tail units (grid: tail unit x float4 of the fragment; 256 threads; only
+//     when BwdTailSplit splits): the sum of the unit's fp32 workspace slots, in part order.
 #pragma once
 
 #include <cmath>
@@ -143,12 +143,19 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
   }
 }
 
-// The split tail units' dK/dV (BwdTailSplit, bwd_order.cuh). CTA r owns unit split.full + r: it
-// sums the unit's `parts` slots (store_dkv_part's layout: float4 j of thread ct at j * 256 + ct,
-// dK then dV, dK already scaled) in part order, so the result does not depend on which CTA ended
-// first, and writes them where the main kernel's epilogue would have: thread ct holds the
-// fragment of dK/dV MMA thread ct, whose identity partition gives each value's (key, column);
-// values 2k, 2k + 1 are adjacent columns. Small (the tail is < one wave of units): plain stores.
+// The split tail units' dK/dV (BwdTailSplit, bwd_order.cuh), from the parts' fp32 workspace
+// slots (store_dkv_part's layout: float4 j of thread ct at j * 256 + ct, dK then dV, dK already
+// scaled). Grid (tail unit r, vector v of 2 * kDKVTailVec<Tr>): CTA (r, v) owns float4 v of every
+// thread's fragment of unit split.full + r (v < kDKVTailVec: dK, else dV), 256 threads one
+// fragment each. Why so wide: a tail has few units (4 at hd64 16k tokens) of up to 64 parts, and
+// one CTA per unit walking the parts one load at a time was latency-bound (session 14 A/B: -8%
+// at hd64 4k). The part loads are unrolled (in flight together); the adds stay in part order,
+// so the sum does not depend on which CTA ended first. Thread ct writes where the main kernel's
+// epilogue would have: the dK/dV MMA's identity partition gives each value's (key, column);
+// values 2k, 2k + 1 are adjacent columns.
+template <class Tr>
+constexpr int kDKVTailVec = Tr::kBlockN * Tr::kHeadDim / (4 * 256);  // float4 per thread and tensor
+
 struct DKVTailParams {
   const float* dkv_part;
   void* dk;
@@ -161,41 +168,35 @@ struct DKVTailParams {
 template <class Tr>
 __global__ void __launch_bounds__(256) bwd_dkv_tail_kernel(const DKVTailParams p) {
   using Element = typename Tr::Element;
-  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
-  constexpr int kVec = kBlockN * kHeadDim / (4 * 256);  // float4 per thread and tensor
+  constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kVec = kDKVTailVec<Tr>;
   static_assert(Tr::kPasses == 1 && Tr::kNumMmaThreads == 256 && kVec * 4 * 256 == kBlockN * kHeadDim);
-  const int ct = threadIdx.x;
+  const int ct = threadIdx.x, t = int(blockIdx.y) / kVec, j = int(blockIdx.y) % kVec;
   int n_block, hk, b;
   p.order.decode(p.split.full + int(blockIdx.x), n_block, hk, b);
+  // Slot of part 0, this thread's float4; part q's is q * (2 * kVec * 256) further.
+  const float4* src = reinterpret_cast<const float4*>(p.dkv_part) +
+                      int64_t(blockIdx.x) * p.split.parts * (2 * kVec * 256) + (t * kVec + j) * 256 + ct;
+  float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+  #pragma unroll 8
+  for (int part = 0; part < p.split.parts; ++part) {
+    const float4 v = src[int64_t(part) * (2 * kVec * 256)];
+    sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
+  }
   typename Tr::MmadKV mma_dkv;
   Tensor cKV = mma_dkv.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   static_assert(decltype(size(cKV))::value == 4 * kVec);
-  const float4* slots = reinterpret_cast<const float4*>(p.dkv_part) + int64_t(blockIdx.x) * p.split.parts * (2 * kVec * 256);
+  Element* out = static_cast<Element*>(t == 0 ? p.dk : p.dv) + (int64_t(b) * p.seqlen_k * p.order.heads_kv + hk) * kHeadDim;
   const int64_t row_stride = int64_t(p.order.heads_kv) * kHeadDim;
-  const int64_t base = (int64_t(b) * p.seqlen_k * p.order.heads_kv + hk) * kHeadDim;
+  const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
   CUTLASS_PRAGMA_UNROLL
-  for (int t = 0; t < 2; ++t) {  // dK, dV
-    Element* out = static_cast<Element*>(t == 0 ? p.dk : p.dv) + base;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kVec; ++j) {
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      #pragma unroll 1
-      for (int part = 0; part < p.split.parts; ++part) {
-        const float4 v = slots[(int64_t(part) * 2 + t) * (kVec * 256) + j * 256 + ct];
-        sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-      }
-      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 4; e += 2) {
-        const auto at = cKV(4 * j + e);
-        const int key = n_block * kBlockN + get<0>(at);
-        if (key < p.seqlen_k) {
-          cutlass::Array<Element, 2> pair;
-          pair[0] = Element(vals[e]);
-          pair[1] = Element(vals[e + 1]);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(out + key * row_stride + get<1>(at)) = pair;
-        }
-      }
+  for (int e = 0; e < 4; e += 2) {
+    const auto at = cKV(4 * j + e);
+    const int key = n_block * kBlockN + get<0>(at);
+    if (key < p.seqlen_k) {
+      cutlass::Array<Element, 2> pair;
+      pair[0] = Element(vals[e]);
+      pair[1] = Element(vals[e + 1]);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(out + key * row_stride + get<1>(at)) = pair;
     }
   }
 }
