@@ -200,46 +200,37 @@ def test_tail_split(d, group):
     _check(1, 700, 256, hkv * group, hkv, d, jnp.bfloat16)
 
 
-def test_tail_split_deterministic_bitwise():
+def _check_deterministic(sq, sk, hq, hkv, left, right, runs):
+    """`runs` deterministic kernel backward calls give bitwise equal dq/dk/dv, and the first
+    passes the error-ratio check."""
     d = _first_compiled()
-    hkv = _tail_split_shape()
-    q, k, v = helpers.random_qkv(_next_key(), 1, 700, 256, hkv, hkv, d, jnp.bfloat16)
+    q, k, v = helpers.random_qkv(_next_key(), 1, sq, sk, hq, hkv, d, jnp.bfloat16)
     dout = helpers.random_like(_next_key(), q)
     scale = 1.0 / np.sqrt(d)
-    out64, lse64 = helpers.reference_f64(q, k, v)
+    out64, lse64 = helpers.reference_f64(q, k, v, left=left, right=right)
     out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
     lse = jnp.asarray(np.asarray(lse64, np.float32))
-    runs = [_kernel_bwd(q, k, v, out, lse, dout, UNB, UNB, 0.0, scale, deterministic=True)
-            for _ in range(2)]
-    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[1]):
-        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
-    ref = helpers.reference_grads_f64(q, k, v, dout)
-    base = _baseline(q, k, v, dout, dict(left=UNB, right=UNB))
-    for name, got, r, bl in zip(("dq", "dk", "dv"), runs[0], ref, base):
+    grads = [_kernel_bwd(q, k, v, out, lse, dout, left, right, 0.0, scale, deterministic=True)
+             for _ in range(runs)]
+    for other in grads[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), grads[0], other):
+            assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
+    ref = helpers.reference_grads_f64(q, k, v, dout, left=left, right=right)
+    base = _baseline(q, k, v, dout, dict(left=left, right=right))
+    for name, got, r, bl in zip(("dq", "dk", "dv"), grads[0], ref, base):
         helpers.assert_error_ratio(name, got, r, bl)
+
+
+def test_tail_split_deterministic_bitwise():
+    hkv = _tail_split_shape()
+    _check_deterministic(700, 256, hkv, hkv, UNB, UNB, runs=2)
 
 
 @pytest.mark.parametrize("left,right,hkv", [
     (UNB, UNB, 4), (UNB, 0, 2), (100, 50, 4),
 ])
 def test_deterministic_bitwise(left, right, hkv):
-    d = _first_compiled()
-    q, k, v = helpers.random_qkv(_next_key(), 1, 700, 800, 4, hkv, d, jnp.bfloat16)
-    dout = helpers.random_like(_next_key(), q)
-    scale = 1.0 / np.sqrt(d)
-    out64, lse64 = helpers.reference_f64(q, k, v, left=left, right=right)
-    out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
-    lse = jnp.asarray(np.asarray(lse64, np.float32))
-    runs = [_kernel_bwd(q, k, v, out, lse, dout, left, right, 0.0, scale, deterministic=True)
-            for _ in range(3)]
-    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[1]):
-        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
-    for name, a, b in zip(("dq", "dk", "dv"), runs[0], runs[2]):
-        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), name
-    ref = helpers.reference_grads_f64(q, k, v, dout, left=left, right=right)
-    base = _baseline(q, k, v, dout, dict(left=left, right=right))
-    for name, got, r, bl in zip(("dq", "dk", "dv"), runs[0], ref, base):
-        helpers.assert_error_ratio(name, got, r, bl)
+    _check_deterministic(700, 800, 4, hkv, left, right, runs=3)
 
 
 def test_jit_and_vmap():
