@@ -26,8 +26,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site
 
 t0=$(date +%s)
-scripts/build_variant.sh cand "" &
-scripts/build_variant.sh base "$base_defines" &
+# The wheels are in /tmp/site already: the two builds at once must not reinstall them there.
+WHEELS=/nonexistent scripts/build_variant.sh cand "" &
+WHEELS=/nonexistent scripts/build_variant.sh base "$base_defines" &
 wait
 for v in cand base; do
   echo "build $v: rc $(cat /tmp/ab_$v.rc); $(grep -hE "built in" /tmp/ab_$v.log)"
