@@ -4,17 +4,19 @@
 # 1. installs the local wheels in $WHEELS (default .whl: nvidia-cutlass, flash-attn3-jax) into
 #    /tmp/site, 2. builds and installs jax_fa3 with all cores (no build isolation; CUTLASS from the
 #    wheel or $CUTLASS_DIR), 3. summarises the SASS (HGMMA count, local-memory spills),
-#    4. runs `pytest -m gpu`, 5. runs the side-by-side benchmark.
+#    4. runs the compute-sanitizer gate (scripts/sanitize.sh: memcheck, racecheck, initcheck,
+#    synccheck over every compiled kernel), 5. runs `pytest -m gpu`, 6. runs the side-by-side
+#    benchmark.
 # Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
 # FA3_BWD_DEFINES (and FA3_FWD_DEFINES with cpp/kernels/pending/fwd-v4.1.diff) select kernel
 # variants (cpp/kernels/*NOTES.md);
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
 # TEST_SHARDS (parallel pytest processes), TEST_GPUS (e.g. "0 1": shard i runs on the i-th listed GPU,
-# round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_TESTS=1, SKIP_BENCH=1,
+# round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_SANITIZE=1, SKIP_TESTS=1, SKIP_BENCH=1,
 # TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
 # into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
-# Leaves at most 7 files in OUT_DIR: build.log, info.txt, pytest_gpu.log and the benchmark's json, md,
-# png and bench.log (the device tool returns 8).
+# Leaves at most 8 files in OUT_DIR: build.log, info.txt, sanitize.txt, pytest_gpu.log and the
+# benchmark's json, md, png and bench.log (the device tool returns 8).
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_cycle.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -54,6 +56,15 @@ echo "built in $(( $(date +%s) - t0 )) s"
   cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) printf "%s HGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}'
 } >"$OUT/info.txt" 2>&1
 cat "$OUT/info.txt" | head -60
+fi
+
+if [ "${SKIP_SANITIZE:-0}" != 1 ]; then
+  # The gate before the tests: a race or an out-of-bounds access can pass a numerical test.
+  echo "== compute-sanitizer (scripts/sanitize.sh)"
+  san=$(mktemp -d)
+  scripts/sanitize.sh "$san" >/dev/null 2>&1 || { status=1; echo "sanitize: FAILED (see sanitize.txt)"; }
+  cat "$san/sanitize.md" "$san/sanitize.log" >"$OUT/sanitize.txt" 2>/dev/null
+  sed -n '/^| tool/,/^Result/p' "$san/sanitize.md"
 fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

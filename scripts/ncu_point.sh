@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Nsight Compute on one grid point (benchmarks/profile_point.py), after jax_fa3 is installed
-# (scripts/gpu_cycle.sh with SKIP_TESTS=1 SKIP_BENCH=1):
+# (scripts/gpu_cycle.sh with SKIP_SANITIZE=1 SKIP_TESTS=1 SKIP_BENCH=1):
 #   scripts/ncu_point.sh OUT_DIR --impl jax_fa3 --direction bwd --head-dim 256 --seqlen 8192 --causal 1
 # Profiles the last launch of each kernel matching $KERNELS (default: our forward and backward
 # main kernels, the split-D hd256 one included) with the sections that say where the time

@@ -40,7 +40,7 @@ i=0
 for spec in "$@"; do  # suites side by side; the wheels are already in /tmp/site
   name=${spec%%=*}
   args_var=PYTEST_ARGS_$name
-  WHEELS=/nonexistent PYTHONPATH=/tmp/site INSTALL_TARGET="/tmp/variant_$name" SKIP_BUILD=1 SKIP_BENCH=1 \
+  WHEELS=/nonexistent PYTHONPATH=/tmp/site INSTALL_TARGET="/tmp/variant_$name" SKIP_BUILD=1 SKIP_SANITIZE=1 SKIP_BENCH=1 \
     TEST_GPUS=${gpus[i % ${#gpus[@]}]} PYTEST_ARGS="${!args_var:-${PYTEST_ARGS:--m gpu tests}}" \
     scripts/gpu_cycle.sh "$OUT/$name" >"$OUT/$name.suite.txt" 2>&1 &
   i=$((i + 1))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The example LM trained with each attention implementation for the same steps, same seed:
 #   scripts/train_compare.sh OUT_DIR [STEPS] [IMPLS...]      (default 300 steps, fa3 cudnn)
-# Needs jax_fa3 installed (scripts/gpu_cycle.sh with SKIP_TESTS=1 SKIP_BENCH=1 builds it).
+# Needs jax_fa3 installed (scripts/gpu_cycle.sh with SKIP_SANITIZE=1 SKIP_TESTS=1 SKIP_BENCH=1 builds it).
 # OUT_DIR/<impl>/ gets metrics.jsonl, loss.png and summary.json; OUT_DIR/train_<impl>.log the
 # run's output. Checkpoints go to /tmp (a 125M model with AdamW state is ~1.5 GB).
 # Knobs: PRESET (default h200-125m), RUN_TIMEOUT (seconds per run, default 240).

@@ -261,6 +261,22 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   }
 }
 
+// Arrivals per phase of an empty barrier of the Q/dO/LSE/D ring(s) (FA3_BWD_RELEASE_PER_THREAD,
+// bwd_traits.cuh): every consumer thread, or one lane per consumer warp.
+template <class Tr>
+constexpr int kStageEmptyArrivals = FA3_BWD_RELEASE_PER_THREAD ? Tr::kNumMmaThreads : Tr::kNumMmaWG * 4;
+
+// A consumer thread is done with a stage guarded by `empty`: it arrives for itself, after its
+// own last read of the stage (FA3_BWD_RELEASE_PER_THREAD; else one elected lane per warp).
+CUTE_DEVICE void release_stage(uint64_t* empty) {
+#if FA3_BWD_RELEASE_PER_THREAD
+  cutlass::arch::ClusterBarrier::arrive(empty);
+#else
+  __syncwarp();
+  if (cute::elect_one_sync()) cutlass::arch::ClusterBarrier::arrive(empty);
+#endif
+}
+
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
 //   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).
 //   DetIn/DetOut: deterministic turn taking in the consumers (atomic dQ path, 256 threads).
@@ -456,7 +472,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBar::init(&ss.full[s], 1);
-      ClusterBar::init(&ss.empty[s], Tr::kNumMmaWG * 4);  // one arrive per consumer warp
+      ClusterBar::init(&ss.empty[s], kStageEmptyArrivals<Tr>);
     }
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
@@ -587,11 +603,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
 
     if (has_work) TxBar::wait(&ss.kv_full, 0);
 
-    // Q, dO, LSE, D of a stage are no longer read: one arrive per consumer warp.
-    auto release = [&](int s) {
-      __syncwarp();
-      if (cute::elect_one_sync()) ClusterBar::arrive(&ss.empty[s]);
-    };
+    // Q, dO, LSE, D of a stage are no longer read by this thread.
+    auto release = [&](int s) { release_stage(&ss.empty[s]); };
 
     // One step counter carries the whole pipeline state (registers are the limit here): stage
     // and phase of the Q/dO ring, the dS buffer (dS is written only in pass 0, whose steps come

@@ -45,11 +45,11 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBar::init(&ss.full[s], 1);
-      ClusterBar::init(&ss.empty[s], Tr::kNumMmaWG * 4);  // one arrive per consumer warp
+      ClusterBar::init(&ss.empty[s], kStageEmptyArrivals<Tr>);
     }
     if constexpr (kSepdO) {
       TxBar::init(&ss.do_full, 1);
-      ClusterBar::init(&ss.do_empty, Tr::kNumMmaWG * 4);
+      ClusterBar::init(&ss.do_empty, kStageEmptyArrivals<Tr>);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -255,8 +255,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         // step's dO load runs under dK^T, dQ chunk 1 and the next S. dK^T stays in flight.
         warpgroup_wait<1>();
         warpgroup_fence_operand(tdVrdV);
-        __syncwarp();
-        if (cute::elect_one_sync()) ClusterBar::arrive(&ss.do_empty);
+        release_stage(&ss.do_empty);
       }
       {
         Tensor tdQrK = thr_dq.partition_fragment_B(
@@ -267,9 +266,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       warpgroup_fence_operand(tdQrdQ);
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
-      // Q, dO, LSE, D of this stage are no longer read: one arrive per consumer warp.
-      __syncwarp();
-      if (cute::elect_one_sync()) ClusterBar::arrive(&ss.empty[stage]);
+      // Q, dO, LSE, D of this stage are no longer read by this thread.
+      release_stage(&ss.empty[stage]);
       acc += (kBlockM * Tr::kHdChunk) / 4;  // chunk 1
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < Tr::kDQFrag / 4; ++j)

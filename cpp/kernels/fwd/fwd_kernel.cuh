@@ -47,6 +47,14 @@
 #define FA3_FWD_Q_PREFETCH 1  // 1: double-buffered Q (the next tile's Q loads a tile ahead) and the
                               // producer publishes the decoded tile and key range (FwdTraits::kQPrefetch)
 #endif
+// FA3_FWD_RELEASE_PER_THREAD (issue 24, A/B pending): 1: every consumer thread arrives on the Q
+// slabs' q_empty barrier (count kNumMmaThreads), so each thread's reads of the tile slot / tile
+// info are ordered before the producer rewrites them by its own arrive; 0: lane 0 arrives for
+// its warp (count kNumMmaWG * 4), which orders the other lanes' reads by nothing (racecheck:
+// the end-marker write vs the tile read).
+#ifndef FA3_FWD_RELEASE_PER_THREAD
+#define FA3_FWD_RELEASE_PER_THREAD 1
+#endif
 #ifndef FA3_FWD_CAUSAL_MASK_1CMP
 #define FA3_FWD_CAUSAL_MASK_1CMP 1  // banded masked blocks where only the right bound cuts
                                     // (causal diagonal) take a one-compare mask; 0: two bounds
@@ -60,7 +68,7 @@ struct alignas(16) FwdTileInfo {
   int n_begin, n_end, pad0, pad1;
 };
 // Two Q buffers: q_full[b] completes when buffer b holds tile info[b] (Q landed, or a plain
-// arrival for a keyless tile / the end marker); q_empty[b] when every consumer warp is done with it.
+// arrival for a keyless tile / the end marker); q_empty[b] when every consumer thread is done with it.
 struct FwdQBuffers {
   alignas(16) uint64_t full[2];
   alignas(16) uint64_t empty[2];
@@ -91,6 +99,10 @@ struct FwdTraits {
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
+  // Arrivals that free the Q slabs (kDirectO): one per consumer thread, after its last read of
+  // the slabs and of the tile slot (ss.tile / qb.info), so that the producer's next write to
+  // either follows every read by a direct release/acquire pair.
+  static constexpr int kQEmptyArrivals = FA3_FWD_RELEASE_PER_THREAD ? kNumMmaThreads : kNumMmaWG * 4;
   // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
   //   2 consumers: 128 * 24 + 256 * 240 = 64512 (the pool of 384 threads x 168 registers);
   //   3 consumers: 128 * 32 + 384 * 160 = 65536.
@@ -251,7 +263,7 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
       q_empty_phase ^= 1;
     }
     first_tile = false;
-    // Every consumer warp has read the previous slot (at its tile start, before q_empty).
+    // Every consumer thread has read the previous slot (at its tile start, before q_empty).
     if (T::kDynamicSchedule && p.tile_counter != nullptr) ss.tile = t;
     if (n_begin >= n_end) {
       // No visible key: nothing to load; the consumers write O = 0, LSE = -inf. Still complete
@@ -448,7 +460,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     int qb = 0;  // this tile's Q buffer
     if constexpr (T::kQPrefetch) {
       // The producer published the tile (decoded, with its key range) before q_full[qb]'s
-      // arrival; it rewrites info[qb] only after every consumer warp's q_empty[qb] arrival of
+      // arrival; it rewrites info[qb] only after every consumer thread's q_empty[qb] arrival of
       // this tile, which comes after these reads.
       // Through a shuffle so that ptxas knows qb is warp-uniform (as canonical_warp_group_idx
       // does): without it the info / barrier addresses were vector registers and ptxas moved
@@ -490,11 +502,12 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // This warpgroup's rows, for the interior test (rows past seqlen_q are never stored).
     int wrow_lo = row_lo + wg * 64;
     int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
-    // kDirectO: hand the Q slabs back as soon as this warp's last Q K^T has completed (its
-    // wgmma wait is warp-synchronous, so lane 0 arrives for the warp).
+    // kDirectO: hand the Q slabs back as soon as this thread's last Q K^T has completed. Every
+    // thread arrives for itself (T::kQEmptyArrivals): a lane-0 arrival would release the other
+    // lanes' reads of the tile slot through no synchronisation at all.
     auto release_q = [&]() {
       if constexpr (T::kDirectO) {
-        if (threadIdx.x % 32 == 0) {
+        if (FA3_FWD_RELEASE_PER_THREAD || threadIdx.x % 32 == 0) {
           if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
           else ClusterBarrier::arrive(&ss.q_empty);
         }
@@ -712,13 +725,13 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-    // kDirectO: one arrival per consumer warp after its last Q K^T; else one per consumer
+    // kDirectO: one arrival per consumer thread after its last Q K^T; else one per consumer
     // warpgroup after its O store has read the slab.
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kNumMmaWG * 4 : T::kNumMmaWG);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kQEmptyArrivals : T::kNumMmaWG);
     if constexpr (T::kQPrefetch) {
       for (int b = 0; b < 2; ++b) {
         cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);
-        cutlass::arch::ClusterBarrier::init(&ss.qb.empty[b], T::kNumMmaWG * 4);  // one per consumer warp
+        cutlass::arch::ClusterBarrier::init(&ss.qb.empty[b], T::kQEmptyArrivals);
       }
     }
   }

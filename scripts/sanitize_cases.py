@@ -1,0 +1,217 @@
+"""Small attention calls that launch every compiled jax_fa3 kernel, for compute-sanitizer.
+
+    python3 -P scripts/sanitize_cases.py [--set all|issue24] [--list]
+    python3 -P scripts/sanitize_cases.py --coverage   # no sanitizer: which kernels ran
+
+Each case runs forward and backward (`jax.value_and_grad` of `flash_attention(...,
+implementation="cuda")` under `jax.jit`, with a random output cotangent) and checks that the
+output and gradients are finite. The cases cover, for each compiled (dtype, head dim): the
+unmasked and the banded forward tiles (causal, local window, the hd64 long-band tile, the hd128 /
+hd256 narrow tiles), softcap, GQA and MQA, seqlen_q != seqlen_k, lengths that are no multiple of
+any tile, the deterministic backward, the backward tail split (d <= 128, with and without
+softcap) and the split-D backward (d = 256). `--coverage` runs them under the JAX profiler and
+fails unless every fa3 kernel in the extension was launched at least once.
+
+scripts/sanitize.sh runs this under memcheck, racecheck, initcheck and synccheck.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fa3
+from jax_fa3 import _ffi
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dtype: str
+    d: int
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    deterministic: bool = False
+
+    def label(self) -> str:
+        opts = ["causal" if self.causal else "", f"window={self.window}" if self.window != (-1, -1) else "",
+                f"softcap={self.softcap:g}" if self.softcap else "", "deterministic" if self.deterministic else ""]
+        return (f"{self.name} {self.dtype} d={self.d} b={self.b} sq={self.sq} sk={self.sk} "
+                f"hq={self.hq} hkv={self.hkv} {' '.join(o for o in opts if o)}").rstrip()
+
+
+def _tail_heads() -> int:
+    """kv heads for which 2 key blocks per head leave a short last wave: the backward then runs
+    its tail units split over several CTAs (cpp/kernels/bwd/bwd_order.cuh)."""
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    return sms // 2 + 1
+
+
+def cases_for(dtype: str, d: int) -> list[Case]:
+    c = [
+        Case("full", dtype, d, 2, 200, 513, 4, 2),                      # unmasked tile, GQA 2, sk ragged
+        Case("full-narrow", dtype, d, 1, 130, 512, 2, 2),               # hd128/256: narrow unmasked tile
+        Case("causal", dtype, d, 1, 777, 777, 4, 2, causal=True),       # banded tile, dynamic schedule
+        Case("causal-sq<sk", dtype, d, 1, 129, 1000, 2, 2, causal=True),
+        Case("window", dtype, d, 2, 300, 1100, 6, 3, window=(100, 20)),
+        Case("softcap-mqa", dtype, d, 1, 513, 513, 4, 1, causal=True, softcap=30.0),
+        Case("softcap-full", dtype, d, 1, 200, 200, 2, 2, softcap=5.0),
+        Case("deterministic", dtype, d, 1, 300, 400, 4, 2, deterministic=True),
+        Case("deterministic-causal", dtype, d, 1, 257, 257, 2, 1, causal=True, deterministic=True),
+        Case("seqlen-1", dtype, d, 2, 1, 17, 2, 2),
+    ]
+    if d <= 128:  # one pass over the query blocks: the tail split exists
+        hkv = _tail_heads()
+        c.append(Case("tail-split", dtype, d, 1, 700, 256, hkv, hkv))
+        c.append(Case("tail-split-softcap", dtype, d, 1, 700, 256, hkv, hkv, softcap=20.0))
+    if d == 64:  # the 192-row banded tile for long bands (FwdTileTable<64>::long_banded)
+        c.append(Case("long-band", dtype, d, 1, 4100, 4100, 1, 1, causal=True))
+    return c
+
+
+ISSUE24 = [  # the shapes of issue 24's racecheck report (bf16)
+    Case("issue24", "bfloat16", 128, 1, 777, 777, 4, 2, causal=True),
+    Case("issue24", "bfloat16", 64, 2, 300, 1100, 6, 3, window=(100, 20)),
+    Case("issue24", "bfloat16", 256, 1, 513, 513, 2, 1, causal=True, softcap=30.0),
+    Case("issue24", "bfloat16", 128, 1, 129, 4000, 2, 2, causal=True),
+    Case("issue24", "bfloat16", 64, 1, 200, 200, 2, 2, softcap=5.0),
+]
+
+
+def compiled_cases(which: str) -> list[Case]:
+    info = jax_fa3.build_info()
+    if info is None:
+        raise SystemExit("sanitize_cases: the jax_fa3 CUDA extension is not built")
+    both = sorted(set(info["fwd"]) & set(info["bwd"]))
+    if which == "issue24":
+        return [c for c in ISSUE24 if (c.dtype, c.d) in both]
+    return [c for dt, d in both for c in cases_for(dt, d)]
+
+
+def run_case(c: Case, rng: np.random.Generator) -> float:
+    """Forward + backward of one case; returns the seconds it took (compile included)."""
+    dt = jnp.dtype(c.dtype)
+    shape_q, shape_kv = (c.b, c.sq, c.hq, c.d), (c.b, c.sk, c.hkv, c.d)
+    # Host-made inputs: a host-to-device copy initialises them in initcheck's eyes.
+    q, k, v = (jax.device_put(rng.standard_normal(s).astype(dt)) for s in (shape_q, shape_kv, shape_kv))
+    w = jax.device_put(rng.standard_normal(shape_q).astype(np.float32))
+
+    def loss(q, k, v):
+        out = jax_fa3.flash_attention(q, k, v, causal=c.causal, window_size=c.window, softcap=c.softcap,
+                                      deterministic=c.deterministic, implementation="cuda")
+        return (out.astype(jnp.float32) * w).sum(), out
+
+    t0 = time.perf_counter()
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+        x = np.asarray(x, np.float32)
+        if not np.isfinite(x).all():
+            raise AssertionError(f"{c.label()}: {name} has non-finite values")
+    return time.perf_counter() - t0
+
+
+def run(cases: list[Case]) -> None:
+    rng = np.random.default_rng(24)
+    t0 = time.perf_counter()
+    for i, c in enumerate(cases):
+        dt = run_case(c, rng)
+        print(f"[{i + 1}/{len(cases)}] {c.label()}: ok ({dt:.1f} s)", flush=True)
+    print(f"sanitize_cases: {len(cases)} cases ran in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _demangle(names: list[str]) -> list[str]:
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    for cand in ("/usr/local/cuda/bin/cu++filt",):
+        if tool is None and os.path.exists(cand):
+            tool = cand
+    if tool is None:
+        return names
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def compiled_kernels() -> list[str]:
+    """Mangled names of the fa3 kernels in the extension (cuobjdump's SASS function list)."""
+    from jax_fa3 import _fa3_cuda
+    cuobjdump = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    sass = subprocess.run([cuobjdump, "--dump-sass", _fa3_cuda.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    names = {line.split("Function :", 1)[1].strip() for line in sass.splitlines() if "Function :" in line}
+    return sorted(n for n in names if "3fa3" in n)
+
+
+def coverage(cases: list[Case]) -> int:
+    """Run the cases under the JAX profiler; 0 when every compiled fa3 kernel was launched."""
+    trace_dir = tempfile.mkdtemp(prefix="fa3_cov_")
+    with jax.profiler.trace(trace_dir):
+        run(cases)
+    launched: set[str] = set()
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        data = jax.profiler.ProfileData.from_file(path)
+        for plane in data.planes:
+            if plane.name.startswith("/device:GPU"):
+                launched.update(ev.name for line in plane.lines for ev in line.events)
+    mangled = compiled_kernels()
+    readable = _demangle(mangled)
+    # A kernel counts as launched when the trace names it mangled or demangled (compared without
+    # whitespace and parameter list: demanglers format template arguments differently).
+    def key(name: str) -> str:
+        return "".join(name.split("(")[0].split()).replace("(bool)1", "true").replace("(bool)0", "false")
+    flat = "\n".join(launched)
+    keys = "\n".join(key(n) for n in launched)
+    missing = [r for m, r in zip(mangled, readable) if m not in flat and key(r) not in keys]
+    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 kernels launched")
+    for r in missing:
+        print(f"  NOT LAUNCHED: {r}")
+    if missing:  # how the trace spells kernel names, to see why a name did not match
+        print("  (trace names with fa3:", *sorted(n for n in launched if "fa3" in n)[:6], sep="\n    ")
+    if not launched:
+        print("coverage: the profiler recorded no GPU events, so coverage is unknown")
+        return 1
+    return 1 if missing else 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", choices=["all", "issue24"], default="all")
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    ap.add_argument("--coverage", action="store_true", help="run under the JAX profiler and check that "
+                    "every compiled fa3 kernel was launched")
+    args = ap.parse_args()
+    cases = compiled_cases(args.set)
+    if args.list:
+        for c in cases:
+            print(c.label())
+        return 0
+    if not cases:
+        print("sanitize_cases: no (dtype, head dim) is compiled for both directions", file=sys.stderr)
+        return 1
+    reason = _ffi.extension_reason()
+    if reason is not None:
+        print(f"sanitize_cases: the kernels cannot run here: {reason}", file=sys.stderr)
+        return 1
+    if args.coverage:
+        return coverage(cases)
+    run(cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
