@@ -261,21 +261,16 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   }
 }
 
-// Arrivals per phase of an empty barrier of the Q/dO/LSE/D ring(s) (FA3_BWD_RELEASE_PER_THREAD,
-// bwd_traits.cuh): every consumer thread, or one lane per consumer warp.
+// The empty barriers of the Q/dO/LSE/D ring(s) complete when every consumer thread has arrived:
+// each thread arrives for itself after its own last read of the stage (release_stage), so its
+// reads of LSE and D are ordered before the producer's next bulk copy into the stage by a direct
+// release/acquire pair, as CUTLASS's PipelineTmaAsync does without a cluster. (One elected lane
+// per warp after __syncwarp, which ptxas compiles to no instruction, left the other lanes'
+// reads ordered only through the step's named barriers: issue 24's racecheck report.)
 template <class Tr>
-constexpr int kStageEmptyArrivals = FA3_BWD_RELEASE_PER_THREAD ? Tr::kNumMmaThreads : Tr::kNumMmaWG * 4;
+constexpr int kStageEmptyArrivals = Tr::kNumMmaThreads;
 
-// A consumer thread is done with a stage guarded by `empty`: it arrives for itself, after its
-// own last read of the stage (FA3_BWD_RELEASE_PER_THREAD; else one elected lane per warp).
-CUTE_DEVICE void release_stage(uint64_t* empty) {
-#if FA3_BWD_RELEASE_PER_THREAD
-  cutlass::arch::ClusterBarrier::arrive(empty);
-#else
-  __syncwarp();
-  if (cute::elect_one_sync()) cutlass::arch::ClusterBarrier::arrive(empty);
-#endif
-}
+CUTE_DEVICE void release_stage(uint64_t* empty) { cutlass::arch::ClusterBarrier::arrive(empty); }
 
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
 //   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).

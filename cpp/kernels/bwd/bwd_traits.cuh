@@ -228,15 +228,6 @@ template <> struct BwdTile<256> { static constexpr int kBlockM = 64, kBlockMSdP 
 #ifndef FA3_BWD_DS_BEFORE_DV
 #define FA3_BWD_DS_BEFORE_DV 1
 #endif
-// FA3_BWD_RELEASE_PER_THREAD (issue 24, A/B pending): 1: every consumer thread arrives on the
-// Q/dO/LSE/D ring's empty barriers (count kNumMmaThreads), so each thread's own reads of the
-// stage's LSE and D are ordered before the producer's next bulk copy into it by a direct
-// release/acquire pair (as CUTLASS's PipelineTmaAsync does without a cluster); 0: one elected
-// lane per warp after __syncwarp (count 8), which ptxas compiles to no instruction, so the
-// other lanes' reads reach the producer only through the steps' named barriers.
-#ifndef FA3_BWD_RELEASE_PER_THREAD
-#define FA3_BWD_RELEASE_PER_THREAD 1
-#endif
 static_assert(FA3_BWD_HD128_BLOCK_M_FULL == 0 || FA3_BWD_HD128_BLOCK_M_FULL == 80,
               "FA3_BWD_HD128_BLOCK_M_FULL: 0 (off) or 80");
 struct BwdTileHd128Full {

@@ -47,14 +47,6 @@
 #define FA3_FWD_Q_PREFETCH 1  // 1: double-buffered Q (the next tile's Q loads a tile ahead) and the
                               // producer publishes the decoded tile and key range (FwdTraits::kQPrefetch)
 #endif
-// FA3_FWD_RELEASE_PER_THREAD (issue 24, A/B pending): 1: every consumer thread arrives on the Q
-// slabs' q_empty barrier (count kNumMmaThreads), so each thread's reads of the tile slot / tile
-// info are ordered before the producer rewrites them by its own arrive; 0: lane 0 arrives for
-// its warp (count kNumMmaWG * 4), which orders the other lanes' reads by nothing (racecheck:
-// the end-marker write vs the tile read).
-#ifndef FA3_FWD_RELEASE_PER_THREAD
-#define FA3_FWD_RELEASE_PER_THREAD 1
-#endif
 #ifndef FA3_FWD_CAUSAL_MASK_1CMP
 #define FA3_FWD_CAUSAL_MASK_1CMP 1  // banded masked blocks where only the right bound cuts
                                     // (causal diagonal) take a one-compare mask; 0: two bounds
@@ -101,8 +93,9 @@ struct FwdTraits {
   static constexpr int kNumThreads = kNumMmaThreads + 128;
   // Arrivals that free the Q slabs (kDirectO): one per consumer thread, after its last read of
   // the slabs and of the tile slot (ss.tile / qb.info), so that the producer's next write to
-  // either follows every read by a direct release/acquire pair.
-  static constexpr int kQEmptyArrivals = FA3_FWD_RELEASE_PER_THREAD ? kNumMmaThreads : kNumMmaWG * 4;
+  // either follows every read by a direct release/acquire pair. (One lane per warp left the
+  // other lanes' reads of the tile slot unordered: issue 24's racecheck report.)
+  static constexpr int kQEmptyArrivals = kNumMmaThreads;
   // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
   //   2 consumers: 128 * 24 + 256 * 240 = 64512 (the pool of 384 threads x 168 registers);
   //   3 consumers: 128 * 32 + 384 * 160 = 65536.
@@ -507,10 +500,8 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // lanes' reads of the tile slot through no synchronisation at all.
     auto release_q = [&]() {
       if constexpr (T::kDirectO) {
-        if (FA3_FWD_RELEASE_PER_THREAD || threadIdx.x % 32 == 0) {
-          if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
-          else ClusterBarrier::arrive(&ss.q_empty);
-        }
+        if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
+        else ClusterBarrier::arrive(&ss.q_empty);
       }
     };
     if (n_begin >= n_end) release_q();  // no key: Q is never read
