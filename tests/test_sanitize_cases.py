@@ -1,0 +1,66 @@
+"""The sanitizer gate's case list (scripts/sanitize_cases.py), on CPU.
+
+The gate itself needs a Hopper GPU (scripts/sanitize.sh); what can rot unseen is the case list
+and the case runner: here the list must keep every option the kernels branch on for every head
+dim, the parts must split it without loss, and a case must run (on the portable path, which
+stands in for the kernel) and fail on a non-finite result.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import sanitize_cases  # noqa: E402
+
+import jax_fa3  # noqa: E402
+
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_cases_cover_every_option(dtype, d):
+    cases = sanitize_cases.cases_for(dtype, d)
+    assert all(c.dtype == dtype and c.d == d for c in cases)
+    assert any(c.causal for c in cases) and any(c.window != (-1, -1) for c in cases)
+    assert any(not c.causal and c.window == (-1, -1) for c in cases)  # the unmasked tile
+    assert any(c.softcap for c in cases) and any(c.deterministic for c in cases)
+    assert any(c.deterministic and c.causal for c in cases)
+    assert any(c.hkv == 1 and c.hq > 1 for c in cases)  # MQA
+    assert any(1 < c.hkv < c.hq for c in cases)  # GQA
+    assert any(c.sq != c.sk for c in cases)
+    assert any(c.sq % 64 and c.sk % 16 for c in cases)  # no multiple of any tile
+    if d <= 128 and dtype == "bfloat16":  # a full wave of whole backward units, then split ones
+        assert any(c.name == "tail-split" for c in cases)
+
+
+def test_parts_split_the_set_without_loss():
+    cases = [c for d in HEAD_DIMS for c in sanitize_cases.cases_for("bfloat16", d)]
+    parts = [cases[i::3] for i in range(3)]
+    assert sorted(map(repr, sum(parts, []))) == sorted(map(repr, cases))
+
+
+@pytest.fixture
+def portable(monkeypatch):
+    real = jax_fa3.flash_attention
+    monkeypatch.setattr(jax_fa3, "flash_attention",
+                        lambda *a, **k: real(*a, **{**k, "implementation": "xla"}))
+
+
+def test_a_case_runs(portable):
+    case = sanitize_cases.Case("causal", "bfloat16", 64, 1, 37, 50, 4, 2, causal=True, softcap=5.0)
+    assert sanitize_cases.run_case(case) >= 0.0
+
+
+def test_a_non_finite_result_fails(monkeypatch):
+    real = jax_fa3.flash_attention
+    monkeypatch.setattr(jax_fa3, "flash_attention",
+                        lambda *a, **k: real(*a, **{**k, "implementation": "xla"}) * jnp.nan)
+    case = sanitize_cases.Case("full", "bfloat16", 64, 1, 9, 9, 2, 2)
+    with pytest.raises(AssertionError, match="non-finite"):
+        sanitize_cases.run_case(case)
