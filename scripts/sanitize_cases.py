@@ -142,9 +142,8 @@ def run(cases: list[Case]) -> None:
 
 def _demangle(names: list[str]) -> list[str]:
     tool = shutil.which("cu++filt") or shutil.which("c++filt")
-    for cand in ("/usr/local/cuda/bin/cu++filt",):
-        if tool is None and os.path.exists(cand):
-            tool = cand
+    if tool is None and os.path.exists("/usr/local/cuda/bin/cu++filt"):
+        tool = "/usr/local/cuda/bin/cu++filt"
     if tool is None:
         return names
     out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout

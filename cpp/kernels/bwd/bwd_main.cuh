@@ -261,15 +261,12 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   }
 }
 
-// The empty barriers of the Q/dO/LSE/D ring(s) complete when every consumer thread has arrived:
-// each thread arrives for itself after its own last read of the stage (release_stage), so its
+// The empty barriers of the Q/dO/LSE/D ring(s) complete when every consumer thread (kNumMmaThreads)
+// has arrived: each thread arrives for itself after its own last read of the stage, so its
 // reads of LSE and D are ordered before the producer's next bulk copy into the stage by a direct
 // release/acquire pair, as CUTLASS's PipelineTmaAsync does without a cluster. (One elected lane
 // per warp after __syncwarp, which ptxas compiles to no instruction, left the other lanes'
 // reads ordered only through the step's named barriers: issue 24's racecheck report.)
-template <class Tr>
-constexpr int kStageEmptyArrivals = Tr::kNumMmaThreads;
-
 CUTE_DEVICE void release_stage(uint64_t* empty) { cutlass::arch::ClusterBarrier::arrive(empty); }
 
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
@@ -467,7 +464,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBar::init(&ss.full[s], 1);
-      ClusterBar::init(&ss.empty[s], kStageEmptyArrivals<Tr>);
+      ClusterBar::init(&ss.empty[s], Tr::kNumMmaThreads);  // release_stage: every consumer thread
     }
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {

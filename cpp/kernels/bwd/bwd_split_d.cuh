@@ -45,11 +45,11 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < kStages; ++s) {
       TxBar::init(&ss.full[s], 1);
-      ClusterBar::init(&ss.empty[s], kStageEmptyArrivals<Tr>);
+      ClusterBar::init(&ss.empty[s], Tr::kNumMmaThreads);  // release_stage: every consumer thread
     }
     if constexpr (kSepdO) {
       TxBar::init(&ss.do_full, 1);
-      ClusterBar::init(&ss.do_empty, kStageEmptyArrivals<Tr>);
+      ClusterBar::init(&ss.do_empty, Tr::kNumMmaThreads);
     }
     cutlass::arch::fence_barrier_init();
   }

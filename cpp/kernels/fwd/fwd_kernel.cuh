@@ -91,11 +91,6 @@ struct FwdTraits {
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
-  // Arrivals that free the Q slabs (kDirectO): one per consumer thread, after its last read of
-  // the slabs and of the tile slot (ss.tile / qb.info), so that the producer's next write to
-  // either follows every read by a direct release/acquire pair. (One lane per warp left the
-  // other lanes' reads of the tile slot unordered: issue 24's racecheck report.)
-  static constexpr int kQEmptyArrivals = kNumMmaThreads;
   // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
   //   2 consumers: 128 * 24 + 256 * 240 = 64512 (the pool of 384 threads x 168 registers);
   //   3 consumers: 128 * 32 + 384 * 160 = 65536.
@@ -496,8 +491,10 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     int wrow_lo = row_lo + wg * 64;
     int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
     // kDirectO: hand the Q slabs back as soon as this thread's last Q K^T has completed. Every
-    // thread arrives for itself (T::kQEmptyArrivals): a lane-0 arrival would release the other
-    // lanes' reads of the tile slot through no synchronisation at all.
+    // consumer thread arrives for itself, after its last read of the slabs and of the tile slot
+    // (ss.tile / qb.info), so the producer's next write to either follows every read by a direct
+    // release/acquire pair. (A lane-0 arrival left the other lanes' reads of the tile slot
+    // unordered: issue 24's racecheck report.)
     auto release_q = [&]() {
       if constexpr (T::kDirectO) {
         if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
@@ -718,11 +715,11 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     // kDirectO: one arrival per consumer thread after its last Q K^T; else one per consumer
     // warpgroup after its O store has read the slab.
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kQEmptyArrivals : T::kNumMmaWG);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kNumMmaThreads : T::kNumMmaWG);
     if constexpr (T::kQPrefetch) {
       for (int b = 0; b < 2; ++b) {
         cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);
-        cutlass::arch::ClusterBarrier::init(&ss.qb.empty[b], T::kQEmptyArrivals);
+        cutlass::arch::ClusterBarrier::init(&ss.qb.empty[b], T::kNumMmaThreads);  // every consumer thread
       }
     }
   }
