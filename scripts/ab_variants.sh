@@ -2,10 +2,8 @@
 # A/B of kernel build variants in one device call: for each variant, build (no tests) and run
 # the same benchmark, tagged with the variant's name; the tables come back side by side.
 #   scripts/ab_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
-#   e.g. scripts/ab_variants.sh $OUT base= tma-store="FA3_FWD_DIRECT_O=0" \
-#          regs240="FA3_FWD_DYNAMIC_CODE=0"
-# DEFINES go to their direction by prefix (FA3_FWD_*, FA3_BWD_*; others by AB_DIRECTION, see
-# scripts/build_variant.sh); the build set is
+#   e.g. scripts/ab_variants.sh $OUT base= x="FA3_EXP_X=1"
+# DEFINES are an experiment's switches (FA3_KERNEL_DEFINES, scripts/build_variant.sh); the build set is
 # FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh, the benchmark
 # BENCH_ARGS (passed to benchmarks/bench_attention.py; give it --impls ... cudnn for a yardstick).
 # Each variant is installed into its own folder (/tmp/variant_NAME), so an installed build and a

@@ -7,7 +7,8 @@
 #        scripts/candidate_cycle.sh $OUT "FA3_BWD_TAIL_SPLIT=0"
 # 1. builds the tree as it is (`cand`, every instantiation unless FA3_HEAD_DIMS_cand etc. narrow
 #    it) and `base` with BASE_DEFINES (narrow it with FA3_HEAD_DIMS_base etc.: only the A/B runs
-#    it), at once (scripts/build_variant.sh);
+#    it; VARIANT_SRC_base=DIR builds base from another source tree, e.g. the commit before a
+#    refactor), at once (scripts/build_variant.sh);
 # 2. the compute-sanitizer gate on cand (scripts/sanitize.sh; CAND_SANITIZE=0 skips it) ->
 #    sanitize/sanitize.md (summary and reports; the tools' whole logs stay in /tmp/cand_sanitize);
 #    the tests on cand (PYTEST_ARGS, default "-m gpu tests"; TEST_SHARDS 8) -> suite/pytest_gpu.log;

@@ -8,8 +8,7 @@
 #    synccheck over every compiled kernel), 5. runs `pytest -m gpu`, 6. runs the side-by-side
 #    benchmark.
 # Knobs (environment): FA3_HEAD_DIMS, FA3_DTYPES, FA3_DIRECTIONS restrict the instantiations;
-# FA3_BWD_DEFINES (and FA3_FWD_DEFINES with cpp/kernels/pending/fwd-v4.1.diff) select kernel
-# variants (cpp/kernels/*NOTES.md);
+# FA3_KERNEL_DEFINES sets an experiment's build switch (docs/experiments.md);
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
 # TEST_SHARDS (parallel pytest processes), TEST_GPUS (e.g. "0 1": shard i runs on the i-th listed GPU,
 # round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_SANITIZE=1, SKIP_TESTS=1, SKIP_BENCH=1,
@@ -39,7 +38,7 @@ else
 fi
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} bwd_defines=${FA3_BWD_DEFINES:-none} fwd_defines=${FA3_FWD_DEFINES:-none})"
+echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} defines=${FA3_KERNEL_DEFINES:-none})"
 t0=$(date +%s)
 FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
   python3 -m pip install -v --no-build-isolation --no-deps "${target_args[@]}" . >"$OUT/build.log" 2>&1

@@ -2,7 +2,8 @@
 # SASS digest of the default kernel instantiations, on a machine with nvcc and no GPU: did a
 # refactor change the code the GPU runs? Compiles each (direction, head dim) translation unit as
 # the build does (cpp/instantiations/*.cu.in), dumps each kernel's SASS without addresses and
-# writes OUT/digest.txt: one line per kernel (SASS md5, registers, spill bytes, mangled name).
+# writes OUT/digest.txt: one line per kernel (SASS md5, registers, spill bytes, mangled name),
+# and OUT/inflight.txt: the WGMMA register-hazard check of every listing (scripts/sass/).
 #   scripts/sass_digest.sh OUT [TREE] ; diff base/digest.txt cand/digest.txt
 # TREE (default: this checkout) is the source tree to compile; DIGEST_DIRECTIONS ("fwd bwd"),
 # DIGEST_HEAD_DIMS ("64 96 128 192 256"), DIGEST_ELEMENT (cutlass::bfloat16_t) and DIGEST_JOBS (2)
@@ -51,3 +52,11 @@ for sass in sorted(glob.glob(os.path.join(out, "*.sass"))):
 open(os.path.join(out, "digest.txt"), "w").write("\n".join(sorted(rows, key=lambda r: r.split()[-1])) + "\n")
 print(f"{len(rows)} kernels -> {os.path.join(out, 'digest.txt')}")
 EOF
+
+# WGMMA in-flight register hazards along every control-flow path (exit 1 when one is found).
+status=0
+for sass in "$out"/*.sass; do
+  echo "== $(basename "$sass")"
+  python3 "$(dirname "$0")/sass/wgmma_inflight_check.py" "$sass" 2>&1 | tail -n 5 || status=1
+done >"$out/inflight.txt"
+[ $status = 0 ] && echo "WGMMA in-flight check: clean ($out/inflight.txt)" || { echo "WGMMA in-flight check: hazards, see $out/inflight.txt" >&2; exit 1; }

@@ -4,10 +4,8 @@
 # AB_REUSE=1 can benchmark the same build), then test them side by side, variant i on the i-th
 # GPU in SUITE_GPUS (default "0 1 ..."), TEST_SHARDS processes each.
 #   scripts/suite_variants.sh OUT_DIR NAME=DEFINES [NAME=DEFINES ...]
-#   e.g. AB_DIRECTION=bwd PYTEST_ARGS_lpt="-m gpu tests/test_bwd_gpu.py" \
-#        scripts/suite_variants.sh $OUT base= lpt="FA3_BWD_LPT=1"
-# DEFINES go to their direction by prefix (FA3_FWD_*, FA3_BWD_*; others by AB_DIRECTION, see
-# scripts/build_variant.sh); PYTEST_ARGS_NAME
+#   e.g. PYTEST_ARGS_x="-m gpu tests/test_bwd_gpu.py" scripts/suite_variants.sh $OUT base= x="FA3_EXP_X=1"
+# DEFINES are an experiment's switches (FA3_KERNEL_DEFINES, scripts/build_variant.sh); PYTEST_ARGS_NAME
 # narrows one variant's tests (default PYTEST_ARGS, else "-m gpu tests"). OUT_DIR/NAME gets that
 # variant's build.log, info.txt and pytest_gpu.log; the exit status is 0 only if every build and
 # every suite passed.

@@ -1,6 +1,6 @@
 """Tests of wgmma_inflight_check.py on small SASS listings written here (no GPU, no nvcc).
 
-    python3 cpp/kernels/host_checks/test_wgmma_inflight_check.py      # or: pytest <this file>
+    pytest tests/test_wgmma_inflight_check.py
 
 Each listing is the shape of a case seen in the forward kernels, cut down to a few
 instructions. With FA3_SASS=<cuobjdump listing, e.g. the forward with the cross-tile
@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "sass"))
 import wgmma_inflight_check as chk  # noqa: E402
 
 # 64x128 P V group: accumulator R24-R87, A operand R152-R155 (+ R156-R159 for the second k-step).
@@ -138,7 +138,7 @@ def test_planted_in_real_sass():
     path = os.environ.get("FA3_SASS")
     if not path:
         import pytest
-        pytest.skip("needs FA3_SASS=<cuobjdump -sass listing> (compile_fwd.sh / compile_bwd.sh write one)")
+        pytest.skip("needs FA3_SASS=<cuobjdump -sass listing> (scripts/sass_digest.sh writes OUT/<dir>_hd<d>.sass)")
     import sass
     for name, ins in sass.functions(path).items():
         if not any(t.startswith("HGMMA") for _, t in ins):

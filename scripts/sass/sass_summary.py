@@ -6,8 +6,8 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "host_checks"))
-import sass  # noqa: E402  (cpp/kernels/host_checks/sass.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sass  # noqa: E402  (scripts/sass/sass.py)
 
 
 def short(name):
