@@ -3,7 +3,8 @@
     python examples/train_llm.py                       # cpu-tiny on CPU, h200-125m on a GPU
     python examples/train_llm.py --attention cudnn     # same model through cuDNN, to compare
     python examples/train_llm.py --data my.txt --steps 2000 --out-dir /tmp/run1
-    python examples/train_llm.py --ckpt-dir /tmp/run1/ckpt --resume --steps 4000
+    python examples/train_llm.py --out-dir /tmp/run1 --resume --steps 4000
+    python examples/train_llm.py --out-dir /tmp/run1 --overwrite   # discard that run, start anew
 
 What it does: byte-level data (the Python standard library's sources unless --data is
 given) packed into fixed-length windows; a Flax NNX transformer (llm_model.py) with float32
@@ -13,7 +14,9 @@ clipping, in one jitted step; parameters sharded over the 'fsdp' axis and the ba
 parallelism: attention then reads keys and values across those devices, partitioned by
 jax_fa3's sharding rules where they apply and by XLA otherwise), so the same script runs on
 one device, several, or several hosts (--distributed); orbax checkpoints; periodic eval; a sample at the end; a loss
-curve PNG and a summary.json in --out-dir. The last line on stdout is the summary as JSON.
+curve PNG and a summary.json in --out-dir. The first lines on stdout say where the files go;
+the last line is the summary as JSON. A run never replaces an earlier one in the same
+directories unless told: --resume continues it, --overwrite deletes it first.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class Config:
     out_dir: str = "out/train_llm"
     ckpt_dir: str | None = None
     resume: bool = False
+    overwrite: bool = False
     fsdp: int = -1
     context: int = 1
     prompt: str | None = None
@@ -147,6 +151,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     g.add_argument("--out-dir", help="loss curve, metrics and summary (default out/train_llm)")
     g.add_argument("--ckpt-dir", help="orbax checkpoints (default <out-dir>/checkpoints)")
     g.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
+    g.add_argument("--overwrite", action="store_true", default=None,
+                   help="delete an earlier run's checkpoints and files in these directories, then "
+                   "start from step 0 (without it, and without --resume, a run refuses to start "
+                   "where an earlier run left files)")
     g.add_argument("--fsdp", type=int, help="devices on the 'fsdp' mesh axis (default: all "
                    "that --context leaves)")
     g.add_argument("--context", type=int, help="devices on the 'context' axis, over which the "
@@ -237,6 +245,36 @@ def attention_description(cfg: Config) -> str:
     return f"jax_fa3.flash_attention: portable path ({reasons['fwd']})"
 
 
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png")  # what a run writes in --out-dir
+
+
+def earlier_run(out_dir: str, ckpt_dir: str) -> tuple[list[int], list[str]]:
+    """What an earlier run left here: its checkpoint steps and its files in the out dir."""
+    steps = sorted(ocp.utils.checkpoint_steps(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    files = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    return steps, files
+
+
+def check_earlier_run(parser: argparse.ArgumentParser, cfg: Config, out_dir: str, ckpt_dir: str,
+                      steps: list[int], files: list[str]) -> None:
+    """Refuses (before anything is built) a run that would silently replace an earlier one."""
+    if cfg.resume and cfg.overwrite:
+        parser.error("--resume continues the earlier run and --overwrite deletes it: pass one")
+    if cfg.resume and not steps:
+        parser.error(f"--resume: no checkpoint in {ckpt_dir}" +
+                     (" (to start over there: --overwrite)" if files else ""))
+    if cfg.resume or cfg.overwrite or not (steps or files):
+        return
+    found = []
+    if steps:
+        found.append(f"checkpoints at steps {steps} in {ckpt_dir}")
+    if files:
+        found.append(f"{', '.join(files)} in {out_dir}")
+    parser.error(f"an earlier run is here ({'; '.join(found)}), and nothing was changed. "
+                 "Pass --resume to continue it, --overwrite to delete it and start over, "
+                 "or choose another --out-dir (and --ckpt-dir, if you set it) for a new run.")
+
+
 def plot_losses(path: str, train: list[tuple[int, float]], evals: list[tuple[int, float]], title: str) -> None:
     import matplotlib
 
@@ -284,6 +322,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(msg: str) -> None:
         if lead:
             tqdm.write(msg, file=sys.stdout)
+
+    # ---- where the files go; an earlier run there is kept unless --resume or --overwrite
+    out_dir = os.path.abspath(cfg.out_dir)
+    ckpt_dir = os.path.abspath(cfg.ckpt_dir or os.path.join(out_dir, "checkpoints"))
+    log(f"out dir: {out_dir} ({', '.join(RUN_FILES)})")
+    log(f"checkpoints: {ckpt_dir}")
+    earlier_steps, earlier_files = earlier_run(out_dir, ckpt_dir)
+    check_earlier_run(parser, cfg, out_dir, ckpt_dir, earlier_steps, earlier_files)
 
     # ---- data
     try:
@@ -356,8 +402,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
 
     # ---- checkpoints
-    out_dir = os.path.abspath(cfg.out_dir)
-    ckpt_dir = os.path.abspath(cfg.ckpt_dir or os.path.join(out_dir, "checkpoints"))
     if lead:
         os.makedirs(out_dir, exist_ok=True)
     mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=3))
@@ -367,8 +411,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # What the parameters' shapes depend on (compute dtype and remat may change on resume).
     shape_fields = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in ("dtype", "remat")}
     if cfg.resume:
-        if latest is None:
-            parser.error(f"--resume: no checkpoint in {ckpt_dir}")
         with open(config_path) as f:
             saved = json.load(f)
         if any(saved.get(k) != v for k, v in shape_fields.items()):
@@ -379,13 +421,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         restored = mngr.restore(latest, args=ocp.args.StandardRestore(target))
         params, opt_state, start_step = restored["params"], restored["opt_state"], int(restored["step"])
         log(f"resumed from {ckpt_dir} at step {start_step}")
-    elif latest is not None:
-        if cfg.ckpt_dir is not None:
-            parser.error(f"--ckpt-dir {cfg.ckpt_dir} already holds checkpoints (latest step {latest}): "
-                         "pass --resume to continue, or choose another directory")
-        log(f"starting over: removing old checkpoints in {ckpt_dir} (steps {list(mngr.all_steps())})")
-        for step in mngr.all_steps():
+    elif cfg.overwrite and (earlier_steps or earlier_files):
+        steps = sorted(mngr.all_steps())
+        removed = [f"checkpoints at steps {steps} in {ckpt_dir}"] if steps else []
+        removed += [os.path.join(out_dir, name) for name in earlier_files]
+        log("--overwrite: removing the earlier run: " + "; ".join(removed))
+        for step in steps:
             mngr.delete(step)
+        if lead:
+            for name in earlier_files:
+                os.remove(os.path.join(out_dir, name))
     if lead:
         os.makedirs(ckpt_dir, exist_ok=True)
         with open(config_path, "w") as f:

@@ -1,5 +1,6 @@
 """Smoke test of examples/train_llm.py: a few steps in-process, the loss falls, the outputs
-are written, and a resumed run continues from the checkpoint. Plus its data pipeline and
+are written where the first lines say, a rerun refuses to replace the earlier run, a resumed
+run continues from the checkpoint and --overwrite starts over. Plus its data pipeline and
 flag errors, which need no training."""
 
 from __future__ import annotations
@@ -46,9 +47,19 @@ SMALL = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads",
          "--ckpt-every", "5", "--sample-tokens", "8", "--no-progress", "--preset", "cpu-tiny"]
 
 
+def _ckpt_steps(out):
+    ckpt = os.path.join(out, "checkpoints")
+    return sorted(int(name) for name in os.listdir(ckpt) if name.isdigit())
+
+
 def test_train_resume(train_llm, tmp_path, capsys):
     out = str(tmp_path / "run")
     first = train_llm.main(SMALL + ["--steps", "10", "--out-dir", out])
+    printed = capsys.readouterr().out.strip().splitlines()
+    # The first lines say where the run's files go, before anything is built.
+    assert printed[0].startswith(f"out dir: {out} ") and "summary.json" in printed[0], printed[:2]
+    assert printed[1] == f"checkpoints: {os.path.join(out, 'checkpoints')}", printed[:2]
+    assert first["out_dir"] == out and first["ckpt_dir"] == os.path.join(out, "checkpoints")
     assert first["start_step"] == 0 and first["steps"] == 10
     assert first["initial_loss"] > 5.0
     assert first["final_loss"] < first["initial_loss"] - 1.0, first
@@ -58,8 +69,20 @@ def test_train_resume(train_llm, tmp_path, capsys):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     with open(os.path.join(out, "summary.json")) as f:
         assert json.load(f)["final_loss"] == first["final_loss"]
-    printed = capsys.readouterr().out.strip().splitlines()
     assert json.loads(printed[-1])["eval_loss"] == first["eval_loss"]  # last line: the JSON
+    assert _ckpt_steps(out) == [5, 10]
+
+    # A rerun without --resume or --overwrite refuses, names both, and changes nothing.
+    with open(os.path.join(out, "summary.json")) as f:
+        summary_before = f.read()
+    with pytest.raises(SystemExit) as exc:
+        train_llm.main(SMALL + ["--steps", "10", "--out-dir", out])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "--overwrite" in err and "steps [5, 10]" in err, err
+    assert _ckpt_steps(out) == [5, 10]
+    with open(os.path.join(out, "summary.json")) as f:
+        assert f.read() == summary_before
 
     # Resume: starts at the saved step 10, and from the trained weights (a fresh model would
     # start again near ln(256)).
@@ -70,10 +93,25 @@ def test_train_resume(train_llm, tmp_path, capsys):
         steps = [json.loads(line)["step"] for line in f if '"train"' in line]
     assert steps == sorted(steps) and steps[-1] == 15 and 10 in steps
 
-    # An explicit checkpoint dir that holds checkpoints is never overwritten silently.
+    # An explicit checkpoint dir that holds checkpoints is never overwritten silently, even
+    # with a fresh out dir.
     with pytest.raises(SystemExit):
-        train_llm.main(SMALL + ["--steps", "15", "--out-dir", out,
+        train_llm.main(SMALL + ["--steps", "15", "--out-dir", str(tmp_path / "fresh"),
                                 "--ckpt-dir", os.path.join(out, "checkpoints")])
+    assert "steps [5, 10, 15]" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "fresh")
+
+    # --overwrite deletes the earlier run, says what it deletes, and starts from step 0.
+    capsys.readouterr()
+    third = train_llm.main(SMALL + ["--steps", "5", "--out-dir", out, "--overwrite",
+                                    "--sample-tokens", "0"])
+    said = capsys.readouterr().out
+    assert "--overwrite: removing the earlier run: checkpoints at steps [5, 10, 15]" in said, said
+    assert os.path.join(out, "summary.json") in said, said
+    assert third["start_step"] == 0 and third["initial_loss"] > 5.0, third
+    assert _ckpt_steps(out) == [5]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert max(json.loads(line)["step"] for line in f) == 5
 
 
 def test_flag_errors(train_llm, tmp_path, capsys):
@@ -82,6 +120,7 @@ def test_flag_errors(train_llm, tmp_path, capsys):
         (["--batch-size", "0"], "--batch-size must be positive"),
         (["--n-heads", "4", "--n-kv-heads", "3"], "n_kv_heads"),
         (["--resume", "--out-dir", str(tmp_path / "empty")], "no checkpoint"),
+        (["--resume", "--overwrite", "--out-dir", str(tmp_path / "empty")], "pass one"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
