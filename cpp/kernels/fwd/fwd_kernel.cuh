@@ -29,32 +29,9 @@
 #include "common/tile_scheduler.cuh"
 #include "common/utils.cuh"
 
-// Build-time switches for A/B runs (CMake FA3_FWD_DEFINES, e.g. "FA3_FWD_DIRECT_O=0"); the
-// defaults are the kernel that passed the GPU tests and was measured (cpp/kernels/NOTES.md).
-#ifndef FA3_FWD_DIRECT_O
-#define FA3_FWD_DIRECT_O 1  // 0: v3's epilogue (O staged in smem, one TMA store)
-#endif
-#ifndef FA3_FWD_DYNAMIC_CODE
-#define FA3_FWD_DYNAMIC_CODE 1  // 0: banded kernels without the dynamic-schedule code (24/240)
-#endif
-#ifndef FA3_FWD_DYNAMIC_BANDED
-#define FA3_FWD_DYNAMIC_BANDED 1  // 0: banded problems with one CTA per tile (no tile counter)
-#endif
-#ifndef FA3_FWD_O_STORE_8B
-#define FA3_FWD_O_STORE_8B 1  // direct O epilogue with 8-byte stores (one quad shuffle per pair); 0: 4-byte
-#endif
-#ifndef FA3_FWD_Q_PREFETCH
-#define FA3_FWD_Q_PREFETCH 1  // 1: double-buffered Q (the next tile's Q loads a tile ahead) and the
-                              // producer publishes the decoded tile and key range (FwdTraits::kQPrefetch)
-#endif
-#ifndef FA3_FWD_CAUSAL_MASK_1CMP
-#define FA3_FWD_CAUSAL_MASK_1CMP 1  // banded masked blocks where only the right bound cuts
-                                    // (causal diagonal) take a one-compare mask; 0: two bounds
-#endif
-
 namespace fa3 {
 
-// FA3_FWD_Q_PREFETCH: what the producer publishes per tile (t >= num_tiles: end marker).
+// kQPrefetch: what the producer publishes per tile (t >= num_tiles: end marker).
 struct alignas(16) FwdTileInfo {
   int t, m_block, head, batch;
   int n_begin, n_end, pad0, pad1;
@@ -69,7 +46,7 @@ struct FwdQBuffers {
 struct FwdNoQBuffers {};
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_,
-          bool kPingPong_ = false, bool kBanded_ = true, int kExp2EmuEvery_ = 0>
+          bool kPingPong_ = false, bool kBanded_ = true>
 struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -80,14 +57,6 @@ struct FwdTraits {
   // false: the caller guarantees the band does not cut into the key range (both sides reach
   // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
   static constexpr bool kBanded = kBanded_;
-  // > 0: every kExp2EmuEvery-th softmax exponential on the FMA pipe (exp2_fma in
-  // common/softmax.cuh) instead of MUFU.EX2; for head dims where MUFU limits (d = 64).
-  static constexpr int kExp2EmuEvery = kExp2EmuEvery_;
-  // Epilogue: true: O goes from registers straight to global memory (4-byte stores of column
-  // pairs), so the Q slabs are free after the tile's last Q K^T and the producer loads the next
-  // tile's Q while this tile's last softmax, P V and epilogue run (persistent grid). false: O is
-  // staged in the Q slab (stmatrix) and TMA-stored; the next Q waits for that store (v1-v3).
-  static constexpr bool kDirectO = FA3_FWD_DIRECT_O != 0;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
@@ -96,11 +65,11 @@ struct FwdTraits {
   //   3 consumers: 128 * 32 + 384 * 160 = 65536.
   // Banded kernels carry the dynamic tile schedule (Params::tile_counter), whose producer code
   // spilled at 24 registers: 128 * 40 + 256 * 232 = 64512 as well (the consumers peak at R223).
-  static constexpr bool kDynamicSchedule = FA3_FWD_DYNAMIC_CODE != 0 && kBanded && kNumMmaWG == 2;
+  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
-  // FA3_FWD_Q_PREFETCH (kDirectO only, and only where a second Q tile fits in shared memory:
+  // kQPrefetch (only where a second Q tile fits in shared memory:
   // d = 64 and 96, not the 224 KB hd128 banded or 208 KB hd128 unbanded tiles; two consumer
   // warpgroups only: the 3-warpgroup tiles spilled 20-28 bytes at 160 registers): two Q buffers
   // used by alternate tiles, each with its q_full / q_empty barrier and a TileInfo slot. The
@@ -111,7 +80,7 @@ struct FwdTraits {
   static constexpr int kQTileBytes = kBlockM * kHeadDim * int(sizeof(Element));
   static constexpr int kKVRingBytes = 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element));
   static constexpr bool kQPrefetch =
-      FA3_FWD_Q_PREFETCH != 0 && kDirectO && kNumMmaWG == 2 && 2 * kQTileBytes + kKVRingBytes + 1024 <= 227 * 1024;
+      kNumMmaWG == 2 && 2 * kQTileBytes + kKVRingBytes + 1024 <= 227 * 1024;
   static constexpr int kQBufs = kQPrefetch ? 2 : 1;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
 
@@ -142,7 +111,7 @@ struct FwdTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
     alignas(16) uint64_t q_full;   // TMA of the Q tile landed
-    alignas(16) uint64_t q_empty;  // the consumers are done with the Q slabs (see kDirectO)
+    alignas(16) uint64_t q_empty;  // the consumers are done with the Q slabs (after their last Q K^T)
     int tile;                      // dynamic schedule: the tile of the q_full phase (>= num_tiles: end)
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
@@ -289,7 +258,7 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
   }
 }
 
-// FA3_FWD_Q_PREFETCH producer (T::kQPrefetch): tile i of this CTA uses Q buffer b = i % 2. Per
+// Double-buffered Q producer (T::kQPrefetch): tile i of this CTA uses Q buffer b = i % 2. Per
 // tile: wait until tile i - 2 has released buffer b (q_empty[b], completion (i - 2) / 2; none
 // for i < 2), publish the tile (info[b]), load its Q into buffer b (q_full[b]), then its K / V
 // blocks into the rings as fwd_producer does. The wait for buffer b returns at once in the
@@ -402,7 +371,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   constexpr int kRows = decltype(size<0>(S))::value;
   static_assert(kRows == 2);
 
-  OnlineSoftmax<kRows, T::kExp2EmuEvery> softmax(p.scale.scale_log2);
+  OnlineSoftmax<kRows> softmax(p.scale.scale_log2);
   // K and V blocks are produced in lockstep (block j sits in stage j % kStages of both rings),
   // so one read state serves both pipelines.
   typename T::PipelineState read;  // consumers start at phase 0
@@ -490,42 +459,36 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // This warpgroup's rows, for the interior test (rows past seqlen_q are never stored).
     int wrow_lo = row_lo + wg * 64;
     int wrow_hi = max(wrow_lo, min(wrow_lo + 63, p.seqlen_q - 1));
-    // kDirectO: hand the Q slabs back as soon as this thread's last Q K^T has completed. Every
+    // Hand the Q slabs back as soon as this thread's last Q K^T has completed. Every
     // consumer thread arrives for itself, after its last read of the slabs and of the tile slot
     // (ss.tile / qb.info), so the producer's next write to either follows every read by a direct
     // release/acquire pair. (A lane-0 arrival left the other lanes' reads of the tile slot
     // unordered: issue 24's racecheck report.)
     auto release_q = [&]() {
-      if constexpr (T::kDirectO) {
-        if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
-        else ClusterBarrier::arrive(&ss.q_empty);
-      }
+      if constexpr (T::kQPrefetch) ClusterBarrier::arrive(&ss.qb.empty[qb]);
+      else ClusterBarrier::arrive(&ss.q_empty);
     };
     if (n_begin >= n_end) release_q();  // no key: Q is never read
     if (n_begin < n_end) {
       float alpha[kRows];
-      // FA3_FWD_CAUSAL_MASK_1CMP: masked blocks from key n0_1cmp on take the one-compare mask,
-      // and the interior test compares with per-tile bounds (32-bit, once per block) instead
-      // of block_is_interior's 64-bit arithmetic per block.
+      // Masked blocks from key n0_1cmp on take the one-compare mask, and the interior test
+      // compares with per-tile bounds (32-bit, once per block) instead of block_is_interior's
+      // 64-bit arithmetic per block.
       int n0_1cmp = 0, n0_int_lo = 0, n0_int_hi = 0;
-      if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0) {
-        n0_1cmp = p.mask.right_bound_only_from(wrow_lo + 63);
-        p.mask.interior_key_range(wrow_lo, wrow_hi, T::kBlockN, n0_int_lo, n0_int_hi);
-      }
+      n0_1cmp = p.mask.right_bound_only_from(wrow_lo + 63);
+      p.mask.interior_key_range(wrow_lo, wrow_hi, T::kBlockN, n0_int_lo, n0_int_hi);
 
       auto apply_mask = [&](int n) __attribute__((always_inline)) {
         if constexpr (T::kBanded) {
-          // FA3_FWD_CAUSAL_MASK_1CMP: where neither the left bound nor the seqlen_k end can cut
+          // Where neither the left bound nor the seqlen_k end can cut
           // into the block for any of the warpgroup's 64 rows (padding rows included), the
           // two-bound compare reduces to one (mask.cuh, right_bound_only / apply_right); the
           // same elements are masked either way. The test is one compare per block against a
           // per-tile threshold (a per-block right_bound_only() cost 11 uniform instructions on
           // every block, interior ones included, in the hd128 SASS).
-          if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0) {
-            if (n * T::kBlockN >= n0_1cmp) {
-              p.mask.apply_right(S, cS, wrow_lo, n * T::kBlockN);
-              return;
-            }
+          if (n * T::kBlockN >= n0_1cmp) {
+            p.mask.apply_right(S, cS, wrow_lo, n * T::kBlockN);
+            return;
           }
           p.mask.apply(S, cS, wrow_lo, n * T::kBlockN);
         } else {
@@ -534,9 +497,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       };
 
       auto interior = [&](int n) {
-        if constexpr (FA3_FWD_CAUSAL_MASK_1CMP != 0)
-          return n * T::kBlockN >= n0_int_lo && n * T::kBlockN <= n0_int_hi;
-        return p.mask.block_is_interior(wrow_lo, wrow_hi, n * T::kBlockN, T::kBlockN);
+        return n * T::kBlockN >= n0_int_lo && n * T::kBlockN <= n0_int_hi;
       };
 
       // Last key block first (it may be a boundary block): S and its softmax.
@@ -629,73 +590,36 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         if (row < p.seqlen_q) lse_bh[row] = lse[r];
       }
     }
-    if constexpr (T::kDirectO) {
-      // Each thread holds column pairs (c, c + 1) of 2 rows: one 4-byte store per pair; the 4
-      // threads of a quad cover 16 contiguous bytes of a row, and L2 merges the sectors.
-      Tensor cO = rowcol_view(thr_pv.partition_C(make_identity_tensor(Shape<_64, D>{})));
-      Element* o_bh = p.out + (int64_t(c.batch) * p.seqlen_q * p.heads_q + c.head) * T::kHeadDim;
-      int64_t const row_stride = int64_t(p.heads_q) * T::kHeadDim;
-      if constexpr (FA3_FWD_O_STORE_8B != 0 && size<1>(decltype(O){}) % 4 == 0) {
-        // 8-byte stores: thread q of a quad holds column pairs 8k + 2q (k = 0, 1, ...). Threads
-        // q and q ^ 1 swap one pair per two k: the even one (b = 0) stores its pair of k and its
-        // partner's, columns 8k + 2q .. + 3; the odd one those of k + 1 at 8 (k + 1) + 2q - 2.
-        // A quad then writes 2 x 16 contiguous bytes per row and instruction (full 32-byte
-        // sectors; the 4-byte stores wrote each sector in two halves), with half the stores.
-        // The shuffles run on every lane (rows past seqlen_q only skip the stores).
-        int const b = tid & 1;
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          int row = wrow_lo + get<0>(cO(r, 0));
-          Element* o_row = o_bh + row * row_stride + get<1>(cO(r, 0)) + (b ? 6 : 0);
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(O); j += 4) {
-            cutlass::Array<Element, 2> w0, w1;
-            w0[0] = Element(O(r, j));
-            w0[1] = Element(O(r, j + 1));
-            w1[0] = Element(O(r, j + 2));
-            w1[1] = Element(O(r, j + 3));
-            uint32_t u0 = reinterpret_cast<uint32_t&>(w0), u1 = reinterpret_cast<uint32_t&>(w1);
-            uint32_t got = __shfl_xor_sync(0xffffffffu, b ? u0 : u1, 1);
-            uint2 v = b ? make_uint2(got, u1) : make_uint2(u0, got);
-            // Column of pair j / 2 is get<1>(cO(r, j)) = that of pair 0 + 4 j (checked in
-            // host_checks/o_store_check.cu).
-            if (row < p.seqlen_q) *reinterpret_cast<uint2*>(o_row + 4 * j) = v;
-          }
-        }
-      } else {  // FA3_FWD_O_STORE_8B=0: 4-byte stores
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          int row = wrow_lo + get<0>(cO(r, 0));
-          if (row < p.seqlen_q) {
-            Element* o_row = o_bh + row * row_stride;
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < size<1>(O); j += 2) {
-              cutlass::Array<Element, 2> pair;
-              pair[0] = Element(O(r, j));
-              pair[1] = Element(O(r, j + 1));
-              *reinterpret_cast<cutlass::Array<Element, 2>*>(o_row + get<1>(cO(r, j))) = pair;
-            }
-          }
-        }
-      }
-    } else {
-      Tensor rO = make_tensor<Element>(tOrO.layout());
-      convert_into(tOrO, rO);
-      auto copy_o = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_pv);
-      auto thr_copy_o = copy_o.get_thread_slice(tid);
-      Tensor tOrO_s = thr_copy_o.retile_S(rO);
-      Tensor tOsO = thr_copy_o.partition_D(sQw);
-      copy(copy_o, tOrO_s, tOsO);
-      cutlass::arch::fence_view_async_shared();  // stmatrix writes -> visible to the TMA store
-      NamedBarrier::sync(128, T::kBarEpilogue + wg);
-      if (tid == 0) {
-        Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.seqlen_q, D{}, p.heads_q, p.batch));
-        Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<_64, D>{}, make_coord(_, _0{}));
-        auto [tOgO, tOsO_tma] = tma_partition(p.tma_o, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gO));
-        copy(p.tma_o, tOsO_tma(_, wg), tOgO(_, c.m_block * T::kNumMmaWG + wg));
-        tma_store_arrive();
-        tma_store_wait<0>();  // the slab has been read; the producer may load the next Q into it
-        ClusterBarrier::arrive(&ss.q_empty);
+    // Each thread holds column pairs (c, c + 1) of 2 rows: one 4-byte store per pair; the 4
+    // threads of a quad cover 16 contiguous bytes of a row, and L2 merges the sectors.
+    Tensor cO = rowcol_view(thr_pv.partition_C(make_identity_tensor(Shape<_64, D>{})));
+    Element* o_bh = p.out + (int64_t(c.batch) * p.seqlen_q * p.heads_q + c.head) * T::kHeadDim;
+    int64_t const row_stride = int64_t(p.heads_q) * T::kHeadDim;
+    static_assert(size<1>(decltype(O){}) % 4 == 0, "8-byte O stores: column pairs come in fours");
+    // 8-byte stores: thread q of a quad holds column pairs 8k + 2q (k = 0, 1, ...). Threads
+    // q and q ^ 1 swap one pair per two k: the even one (b = 0) stores its pair of k and its
+    // partner's, columns 8k + 2q .. + 3; the odd one those of k + 1 at 8 (k + 1) + 2q - 2.
+    // A quad then writes 2 x 16 contiguous bytes per row and instruction (full 32-byte
+    // sectors; the 4-byte stores wrote each sector in two halves), with half the stores.
+    // The shuffles run on every lane (rows past seqlen_q only skip the stores).
+    int const b = tid & 1;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int row = wrow_lo + get<0>(cO(r, 0));
+      Element* o_row = o_bh + row * row_stride + get<1>(cO(r, 0)) + (b ? 6 : 0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(O); j += 4) {
+        cutlass::Array<Element, 2> w0, w1;
+        w0[0] = Element(O(r, j));
+        w0[1] = Element(O(r, j + 1));
+        w1[0] = Element(O(r, j + 2));
+        w1[1] = Element(O(r, j + 3));
+        uint32_t u0 = reinterpret_cast<uint32_t&>(w0), u1 = reinterpret_cast<uint32_t&>(w1);
+        uint32_t got = __shfl_xor_sync(0xffffffffu, b ? u0 : u1, 1);
+        uint2 v = b ? make_uint2(got, u1) : make_uint2(u0, got);
+        // Column of pair j / 2 is get<1>(cO(r, j)) = that of pair 0 + 4 j (checked in
+        // host_checks/o_store_check.cu).
+        if (row < p.seqlen_q) *reinterpret_cast<uint2*>(o_row + 4 * j) = v;
       }
     }
   }
@@ -713,9 +637,8 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-    // kDirectO: one arrival per consumer thread after its last Q K^T; else one per consumer
-    // warpgroup after its O store has read the slab.
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kDirectO ? T::kNumMmaThreads : T::kNumMmaWG);
+    // One arrival per consumer thread after its last Q K^T.
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kNumMmaThreads);
     if constexpr (T::kQPrefetch) {
       for (int b = 0; b < 2; ++b) {
         cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);

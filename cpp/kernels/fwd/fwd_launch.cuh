@@ -34,36 +34,20 @@ struct FwdTileTable;
 // one's softmax (at d = 64 the softmax is half of a block's work). 4 stages (24 + 4 x 2 x 16 =
 // 152 KB; one CTA per SM anyway): the persistent producer runs up to 4 blocks ahead, i.e. into
 // the next tile, which hides the tile switch at short key lengths (4 blocks at 512).
-// Banded problems: 128 x 128 (96 KB; square tiles also waste the least on a causal diagonal and
-// a short band); long bands (at least FA3_FWD_HD64_LONG_BAND query rows and keys per row, 4096
-// by default) take the 192 x 128 tile with 4 stages, spill-free (R153) since the band mask
-// compares against per-row bounds relative to the thread's first column. H200 A/B under the
-// dynamic schedule (benchmarks/results/2026-11-30-NVIDIA-H200-session4-ab.md): 192 rows gave
-// causal 8k +10% but 512-2k -35..-3%. FA3_FWD_HD64_LONG_BAND=0: the wide tile for every band
-// with keys; a huge value: never.
-#ifndef FA3_FWD_HD64_LONG_BAND
-#define FA3_FWD_HD64_LONG_BAND 4096
-#endif
-// Stages of the 128 x 128 banded tile. Short causal problems switch tiles every few blocks; with
-// 2 stages the persistent producer is at most 2 blocks ahead, so the next tile's first K/V wait
-// on this tile's tail. 4 stages (16 + 4 x 2 x 16 = 144 KB) let it run into the next tile as the
-// unbanded tile does: H200 A/B (session 5, benchmarks/results/2026-12-01-NVIDIA-H200-session5-ab.md)
-// hd64 causal 512-2k +3..+10%, hd128 (3 stages) +4..+5%, 4k-8k within noise.
-// FA3_FWD_HD64_BANDED_STAGES / FA3_FWD_HD128_BANDED_STAGES=2: the shallow rings.
-#ifndef FA3_FWD_HD64_BANDED_STAGES
-#define FA3_FWD_HD64_BANDED_STAGES 4
-#endif
-// Unbanded d = 64 is MUFU-bound by a few percent (cpp/kernels/NOTES.md): FA3_FWD_HD64_EXP2_EMU=k
-// moves every k-th exponential to the FMA pipe (measured -6..+1% at k = 8: off).
-#ifndef FA3_FWD_HD64_EXP2_EMU
-#define FA3_FWD_HD64_EXP2_EMU 0
-#endif
+// Banded problems: 128 x 128 with 4 stages (16 + 4 x 2 x 16 = 144 KB; square tiles also waste
+// the least on a causal diagonal and a short band). Short causal problems switch tiles every few
+// blocks; with 2 stages the persistent producer is at most 2 blocks ahead, so the next tile's
+// first K/V wait on this tile's tail: 4 stages gave causal 512-2k +3..+10% on the H200 (4k-8k
+// within noise; 6 stages measured within noise). Long bands (at least kLongBand = 4096 query
+// rows and keys per row) take the 192 x 128 tile with 4 stages, spill-free (R153): causal 4k
+// +6%, 8k +12%, 16k +17% over the 128-row tile, which wins at 512-2k (192 rows: -35..-3%).
+// (every k-th exponential on the FMA pipe instead of MUFU measured -6..+1% at k = 8: not taken.)
 template <typename E>
 struct FwdTileTable<E, 64> {
-  using full = FwdTraits<E, 64, 192, 128, 4, true, false, FA3_FWD_HD64_EXP2_EMU>;
-  using banded = FwdTraits<E, 64, 128, 128, FA3_FWD_HD64_BANDED_STAGES, true, true>;
+  using full = FwdTraits<E, 64, 192, 128, 4, true, false>;
+  using banded = FwdTraits<E, 64, 128, 128, 4, true, true>;
   using long_banded = FwdTraits<E, 64, 192, 128, 4, true, true>;
-  static constexpr int kLongBand = FA3_FWD_HD64_LONG_BAND;
+  static constexpr int kLongBand = 4096;  // a long-band threshold of 8k measured within noise
 };
 // d = 96: 128 x 128 (O 48 + S 64 + P 32 registers); 3 stages (24 + 3 x 2 x 24 = 168 KB) so the
 // persistent producer runs into the next tile (see d = 64).
@@ -74,60 +58,39 @@ struct FwdTileTable<E, 96> {
 };
 // d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
 // smem; O 64 + S 88 + P 44 registers), with the seqlen_k-only mask. Banded problems: 128 x 128
-// (square tiles waste least on the causal diagonal; 160 KB), or 128 x 176 with the build
-// switch below (spill-free, R219; on the H200 it gained only at causal 8k and lost at short
-// causal, with or without the dynamic schedule: off). The 128-wide banded tile has 3 stages (32 +
-// 3 x 2 x 32 = 224 KB): a deeper ring for short causal tiles, as for d = 64 (measured there);
-// the 176-wide one fits only 2.
-#ifndef FA3_FWD_HD128_BANDED_N
-#define FA3_FWD_HD128_BANDED_N 128
-#endif
-#ifndef FA3_FWD_HD128_BANDED_STAGES
-#define FA3_FWD_HD128_BANDED_STAGES 3
-#endif
+// with 3 stages (32 + 3 x 2 x 32 = 224 KB): square tiles waste least on the causal diagonal, and
+// the deeper ring (2 would fit 160 KB) gave short causal +4..+5% as for d = 64. The 128 x 176
+// tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
+// lost at short causal (up to -13%).
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, FA3_FWD_HD128_BANDED_N,
-                           FA3_FWD_HD128_BANDED_N == 128 ? FA3_FWD_HD128_BANDED_STAGES : 2, true, true>;
-  // FA3_FWD_PAD_AWARE=1 (fwd_pad_prefers_narrow): unbanded problems whose key length 176 divides
-  // badly run the banded tile, which needs no band (block_is_interior then holds for every block
-  // but a ragged last one, whose mask keeps only the seqlen_k bound). No extra kernel.
+  using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
+  // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow) run the
+  // banded tile, which needs no band (block_is_interior then holds for every block but a ragged
+  // last one, whose mask keeps only the seqlen_k bound). No extra kernel.
   using narrow = banded;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
-// kernel with the band mask for all problems. Build switches for the next A/B, both compiled
-// spill-free: FA3_FWD_PINGPONG_192_256=1 (R195 / R222) and FA3_FWD_SEQK_MASK_192_256=1, an
-// unbanded kernel with only the seqlen_k mask for unbanded problems (main loop 758 -> 698 /
-// 719 -> 662 SASS instructions), as d = 64 and 128 have.
-#ifndef FA3_FWD_PINGPONG_192_256
-#define FA3_FWD_PINGPONG_192_256 0
-#endif
-#ifndef FA3_FWD_SEQK_MASK_192_256
-#define FA3_FWD_SEQK_MASK_192_256 0
-#endif
+// kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
+// host, so not taken: ping-pong (R195 / R222) and an unbanded kernel with only the seqlen_k
+// mask (main loop 758 -> 698 / 719 -> 662 SASS instructions).
 template <typename E, int kHeadDim, int kBlockN>
 struct FwdTileTableLarge {
-  static constexpr bool kPP = FA3_FWD_PINGPONG_192_256 != 0;
-  using banded = FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP>;
-  using full = std::conditional_t<FA3_FWD_SEQK_MASK_192_256 != 0,
-                                  FwdTraits<E, kHeadDim, 128, kBlockN, 2, kPP, false>, banded>;
+  using banded = FwdTraits<E, kHeadDim, 128, kBlockN, 2, false, true>;
+  using full = banded;
 };
 // d = 192: 128 x 96, 2 stages: 48 + 2 x 2 x 36 = 192 KB; registers O 96 + S 48 + P 24.
 template <typename E>
 struct FwdTileTable<E, 192> : FwdTileTableLarge<E, 192, 96> {};
 // d = 256: 128 x 80 is what smem allows with 2 stages: 64 + 2 x 2 x 40 = 224 KB; registers
 // O 128 + S 40 + P 20. Its blocks divide no power of two: 512 keys are 7 blocks = 560 keys of
-// work (+9.4%), 1k-4k +1.6%. FA3_FWD_HD256_BLOCK_N=64 (64 + 2 x 2 x 32 = 192 KB; 3 stages would
-// need 256 KB, so still 2; O 128 + S 32 + P 16) runs every d = 256 problem, causal too, at
-// 128 x 64; FA3_FWD_PAD_AWARE=1 adds a 128 x 64 kernel (`narrow`) for the unbanded problems
-// where the padded work outweighs the extra blocks (fwd_pad_prefers_narrow: 512 keys).
-#ifndef FA3_FWD_HD256_BLOCK_N
-#define FA3_FWD_HD256_BLOCK_N 80
-#endif
+// work (+9.4%), 1k-4k +1.6%. 128 x 64 (64 + 2 x 2 x 32 = 192 KB; 3 stages would need 256 KB;
+// O 128 + S 32 + P 16) for every problem lost 6% from 4k keys; it runs as `narrow` for the
+// unbanded problems where the padded work outweighs the extra blocks (fwd_pad_prefers_narrow:
+// 512 keys).
 template <typename E>
-struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, FA3_FWD_HD256_BLOCK_N> {
-  // Named only; compiled only where run_fwd_impl takes it (FA3_FWD_PAD_AWARE=1).
+struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
   using narrow = typename FwdTileTableLarge<E, 256, 64>::full;
 };
 
@@ -135,14 +98,11 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, FA3_FWD_HD256_BLOCK_N> {
 // tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
 // result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
 // longest-first order, without a CTA start and a cold Q load per tile, and with the next
-// tile's Q and K loaded under this tile's end. On by default since the H200 A/B of 2026-11-30
-// (causal 512-2k +3-22%, NOTES.md); build switch FA3_FWD_DYNAMIC_BANDED=0 (fwd_kernel.cuh) for
-// one CTA per tile.
-constexpr bool kFwdDynamicBanded = FA3_FWD_DYNAMIC_BANDED != 0;
+// tile's Q and K loaded under this tile's end (H200: causal 512-2k +3..+22%).
 static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the workspace result");
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
-  return kFwdDynamicBanded && band_limits_work(fp.shape, fp.opts);
+  return band_limits_work(fp.shape, fp.opts);
 }
 
 template <typename Element, int kHeadDim>
@@ -239,26 +199,19 @@ inline int64_t band_width(const FwdParams& fp) {
   return std::min<int64_t>(w, fp.shape.seqlen_k);
 }
 
-// Padded work of the ragged last key block (FA3_FWD_PAD_AWARE=1, the default since session 7's
-// H200 A/B: hd256 non-causal 512 +14%). A key block is computed in full, its keys past seqlen_k included (TMA fills
-// zeros, the GEMMs run the whole block, the mask sets those scores to -inf): at seqlen_k = 512,
-// d = 128's 128 x 176 tile does 3 blocks = 528 keys of work (+3.1%, also at 1k-4k; +1.0% at
-// 8k-16k), d = 256's 128 x 80 tile 7 blocks = 560 (+9.4%; +1.6% at 1k-4k, +0.6% at 8k). A
-// narrower tile that divides seqlen_k wastes nothing but runs more blocks, each with a fixed
-// cost (pipeline waits, GEMM issue and drain, the O rescale vote): model a tile's time per query
-// row as blocks x (kBlockN + kFwdPadBlockKeys), that fixed cost counted in key columns, and take
-// the narrow tile when it is cheaper. Break-even costs: d = 128 (176 vs 128) 16 keys at 512-4k,
-// 4.7 at 8k-16k; d = 256 (80 vs 64) 48 at 512, 5.3 at 1k-4k, 1.9 at 8k. With the default 8:
-// narrow at d = 128 512-4k and d = 256 512, the wide tile elsewhere (NOTES.md, "Session 6:
-// padded work"). Same query tile both ways (kBlockM 128), so only the key side differs.
-#ifndef FA3_FWD_PAD_AWARE
-#define FA3_FWD_PAD_AWARE 1
-#endif
-#ifndef FA3_FWD_PAD_BLOCK_KEYS
-#define FA3_FWD_PAD_BLOCK_KEYS 8
-#endif
-constexpr bool kFwdPadAware = FA3_FWD_PAD_AWARE != 0;
-constexpr int64_t kFwdPadBlockKeys = FA3_FWD_PAD_BLOCK_KEYS;
+// Padded work of the ragged last key block. A key block is computed in full, its keys past
+// seqlen_k included (TMA fills zeros, the GEMMs run the whole block, the mask sets those scores
+// to -inf): at seqlen_k = 512, d = 128's 128 x 176 tile does 3 blocks = 528 keys of work (+3.1%,
+// also at 1k-4k; +1.0% at 8k-16k), d = 256's 128 x 80 tile 7 blocks = 560 (+9.4%; +1.6% at
+// 1k-4k, +0.6% at 8k). A narrower tile that divides seqlen_k wastes nothing but runs more
+// blocks, each with a fixed cost (pipeline waits, GEMM issue and drain, the O rescale vote):
+// model a tile's time per query row as blocks x (kBlockN + kFwdPadBlockKeys), that fixed cost
+// counted in key columns, and take the narrow tile when it is cheaper. Break-even costs: d = 128
+// (176 vs 128) 16 keys at 512-4k, 4.7 at 8k-16k; d = 256 (80 vs 64) 48 at 512, 5.3 at 1k-4k,
+// 1.9 at 8k. With 8: narrow at d = 128 512-4k and d = 256 512, the wide tile elsewhere (H200,
+// with the 8-byte O stores and the one-compare mask: hd256 non-causal 512 +14%, hd128 512-1k
+// +4..+8%). Same query tile both ways (kBlockM 128), so only the key side differs.
+constexpr int64_t kFwdPadBlockKeys = 8;
 
 inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n) {
   if (narrow_n >= wide_n) return false;
@@ -282,14 +235,12 @@ cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
   if (!band_limits_work(fp.shape, fp.opts)) {
-    if constexpr (kFwdPadAware) {
-      using Full = typename Table::full;
-      using Narrow = typename NarrowTile<Table>::type;
-      static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
-      if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN))
-        return launch_fwd<Narrow>(fp, stream);
-    }
-    return launch_fwd<typename Table::full>(fp, stream);
+    using Full = typename Table::full;
+    using Narrow = typename NarrowTile<Table>::type;
+    static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
+    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN))
+      return launch_fwd<Narrow>(fp, stream);
+    return launch_fwd<Full>(fp, stream);
   }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
