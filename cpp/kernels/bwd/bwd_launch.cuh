@@ -71,7 +71,6 @@ auto bshd_view(T* ptr, int seqlen, int heads, int batch) {
                      make_stride(int64_t(heads) * kHeadDim, _1{}, int64_t(kHeadDim), int64_t(seqlen) * heads * kHeadDim));
 }
 
-#if FA3_BWD_TMA_DKV
 // The dK or dV TMA store of MainParams (bwd_main.cuh, store_dkv_tma): over (seqlen_k, head_dim,
 // heads_kv, batch) with DKVStore's 16-row shared-memory view as the box; the empty placeholder for
 // traits without kTmaDKV.
@@ -87,7 +86,6 @@ auto dkv_tma_store(void* ptr, const AttentionShape& s) {
     return Tma{};
   }
 }
-#endif
 
 template <class Tr>
 cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSplit split, float* dkv_part,
@@ -123,11 +121,9 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
       p.deterministic ? 1 : 0,
       tile_order<Tr>(p),
       split,
-      dkv_part
-#if FA3_BWD_TMA_DKV
-      , dkv_tma_store<Tr, false>(p.dk, s), dkv_tma_store<Tr, true>(p.dv, s)
-#endif
-  };
+      dkv_part,
+      dkv_tma_store<Tr, false>(p.dk, s),
+      dkv_tma_store<Tr, true>(p.dv, s)};
   auto kernel = [] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
     else return bwd_main_kernel<Tr>;
@@ -136,11 +132,9 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
   if (auto err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
       err != cudaSuccess)
     return err;
-  // FA3_BWD_LPT: one linear index per CTA, decoded in the longest-first section order (the
-  // split-D kernel keeps the 3D grid unless FA3_BWD_HD256_LPT).
-  constexpr bool kLinear = IsSplitD<Tr>::value ? FA3_BWD_HD256_LPT != 0 : FA3_BWD_LPT != 0;
-  // FA3_BWD_TAIL_SPLIT: the tail units' CTAs follow the whole units (split.num_ctas()).
-  const dim3 grid = kLinear ? dim3(split.num_ctas()) : dim3(mp.order.n_blocks, s.heads_kv, s.batch);
+  // One linear index per CTA, decoded in the longest-first section order (bwd_order.cuh); the
+  // tail units' CTAs follow the whole units (split.num_ctas()).
+  const dim3 grid(split.num_ctas());
   kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
   return cudaGetLastError();
 }
@@ -153,20 +147,17 @@ struct TraitsTag {
 
 // The one choice of traits for a backward call, so that its workspace size, workspace layout,
 // pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
-// what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256 under
-// FA3_BWD_HD256_SPLIT_D), except that with FA3_BWD_HD128_BLOCK_M_FULL=80 hd128 problems
-// without a band and without softcap run 80-row steps (BwdTraitsHd128Full; FA3 does the same; its
-// TrCap is never launched: softcap calls keep the 64-row kernel).
+// what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
+// that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
+// FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
-#if FA3_BWD_HD128_BLOCK_M_FULL
   if constexpr (kHeadDim == 128) {
     if (!(p.opts.softcap > 0.f) && !band_limits_work(p.shape, p.opts)) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
   }
-#endif
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},
            TraitsTag<BwdTraitsFor<Element, kHeadDim, true>>{});
 }

@@ -1,5 +1,5 @@
 // The backward main kernel: one CTA per (key block of 128, kv head, batch), warp specialised.
-//   warpgroup 0, warp 0: producer (load_kv_and_steps, also the split-D kernel's). TMA loads K, V
+//   warpgroup 0, warp 0: producer (load_kv_and_steps). TMA loads K, V
 //     once, then for every (pass, query head of the group, query block) Q, dO (2D TMA) and the
 //     block's LSE and D (1D bulk copies) into a ring of kStages shared-memory stages (full/empty
 //     mbarriers).
@@ -47,15 +47,13 @@ struct MainParams {
   float pre_tanh;          // softmax_scale / softcap
   float softmax_scale;
   int deterministic;
-  BwdTileOrder order;  // FA3_BWD_LPT: the 1D grid's CTA order (bwd_order.cuh)
-  BwdTailSplit split;  // FA3_BWD_TAIL_SPLIT: the tail units' CTAs (bwd_order.cuh)
+  BwdTileOrder order;  // the 1D grid's CTA order (bwd_order.cuh)
+  BwdTailSplit split;  // the tail units' CTAs (bwd_order.cuh)
   float* dkv_part;     // (split slots, 2, kBlockN * head_dim): the tail CTAs' fp32 dK, dV
-#if FA3_BWD_TMA_DKV
   // dK/dV TMA stores over (seqlen_k, head_dim, heads_kv, batch) (store_dkv_tma; placeholders for
   // traits without kTmaDKV). launch_main's last two initializers (dkv_tma_store).
   typename DKVStore<Tr>::TmaDK tma_dk;
   typename DKVStore<Tr>::TmaDV tma_dv;
-#endif
 };
 
 // Query blocks [m_begin, m_end) holding a row that sees some key of key block n_block.
@@ -77,10 +75,10 @@ CUTE_HOST_DEVICE void query_block_range(BandMask const& band, int n_block, int b
 // Whether the main kernel can run a tail unit split over several CTAs (BwdTailSplit): one pass
 // over the query blocks (dK/dV whole in registers at the end) and the 1D grid.
 template <class Tr>
-constexpr bool kTailSplitOk = Tr::kPasses == 1 && FA3_BWD_LPT != 0 && FA3_BWD_TAIL_SPLIT != 0;
+constexpr bool kTailSplitOk = Tr::kPasses == 1;
 
-// This CTA's work: the unit (key block, kv head, batch), from the 3D grid or decoded from the 1D
-// grid in the longest-first section order (FA3_BWD_LPT), and its query blocks [m_begin, m_end);
+// This CTA's work: the unit (key block, kv head, batch), decoded from the 1D grid in the
+// longest-first section order (bwd_order.cuh), and its query blocks [m_begin, m_end);
 // slot >= 0 when it runs a share of a tail unit (BwdTailSplit), its dK/dV workspace slot.
 // Each role calls it after its setmaxnreg.
 template <class Tr>
@@ -89,13 +87,7 @@ CUTE_DEVICE void cta_work(MainParams<Tr> const& p, int& n_block, int& hk, int& b
   int unit = int(blockIdx.x);
   slot = -1;
   if constexpr (kTailSplitOk<Tr>) unit = p.split.unit_of(unit, slot);
-  if constexpr (FA3_BWD_LPT != 0) {
-    p.order.decode(unit, n_block, hk, b);
-  } else {
-    n_block = blockIdx.x;
-    hk = blockIdx.y;
-    b = blockIdx.z;
-  }
+  p.order.decode(unit, n_block, hk, b);
   BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   query_block_range(band, n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
   if (slot >= 0) p.split.share(slot, m_begin, m_end);
@@ -110,19 +102,14 @@ CUTE_DEVICE void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// One float4 of a dQ fragment added to the fp32 accumulator by the consumers (the atomic paths:
-// split-D hd256, hd192). FA3_BWD_DQ_RED (bwd_traits.cuh): a no-return reduction; else atomicAdd,
-// which ptxas keeps as a returning ATOMG next to the deterministic path's fence. (A template so
-// that it is compiled only where a kernel uses it: atomicAdd(float4*) is sm_90 only, and the
-// host checks include this header for other targets.)
+// One float4 of a dQ fragment added to the fp32 accumulator by the consumers (the paths without
+// the smem dQ tile: split-D hd256, hd192), as a no-return reduction (REDG.E.ADD.F32x4). atomicAdd
+// would stay a returning ATOMG next to the deterministic path's fence (as much L2 -> SM traffic
+// as the adds themselves): the reduction made the hd256 backward 12-28% faster on the H200.
 template <class F4>
 CUTE_DEVICE void dq_add_f32x4(F4* p, F4 v) {
-#if FA3_BWD_DQ_RED
   asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y),
                "f"(v.z), "f"(v.w) : "memory");
-#else
-  atomicAdd(p, v);
-#endif
 }
 
 // shfl.sync.idx with segment mask 3 (c = 0x31f): reads lane (lane & 3) | (base & ~3), i.e. lane
@@ -146,18 +133,13 @@ CUTE_DEVICE void convert_fragment(TIn const& in, TOut& out) {
 // dQ writer helpers: bulk reduce-add of a shared-memory fp32 tile into global memory (async
 // proxy, bulk-group completion), and the proxy fence that orders it with generic accesses.
 // The dQ accumulator lines are hit again by the other key blocks of the same query block (other
-// CTAs, soon after): keep them in L2 (evict_last), as FA3 does; -DFA3_BWD_DQ_NO_L2_HINT: plain.
+// CTAs, soon after): keep them in L2 (evict_last), as FA3 does.
 CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
   const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
-#ifdef FA3_BWD_DQ_NO_L2_HINT
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-               ::"l"(gmem), "r"(s), "r"(bytes) : "memory");
-#else
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
                ::"l"(gmem), "r"(s), "r"(bytes), "l"(policy) : "memory");
-#endif
 }
 CUTE_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // All committed bulk operations have finished reading shared memory.
@@ -167,14 +149,9 @@ CUTE_DEVICE void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::
 CUTE_DEVICE void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 
 // L2 policy of the Q/dO tile loads. Every key block of the head reads them again (the CTAs of a
-// head, or with FA3_BWD_LPT of a section of heads, run at about the same time), while K/V are
-// read once per CTA: so L2 is asked to keep Q/dO (as FA3 does; -DFA3_BWD_QDO_EVICT_LAST=0: no hint).
-#ifndef FA3_BWD_QDO_EVICT_LAST
-#define FA3_BWD_QDO_EVICT_LAST 1
-#endif
-CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() {
-  return FA3_BWD_QDO_EVICT_LAST ? TMA::CacheHintSm90::EVICT_LAST : TMA::CacheHintSm90::EVICT_NORMAL;
-}
+// section of heads run at about the same time), while K/V are read once per CTA: so L2 is asked
+// to keep Q/dO (as FA3 does).
+CUTE_HOST_DEVICE constexpr TMA::CacheHintSm90 qdo_hint() { return TMA::CacheHintSm90::EVICT_LAST; }
 
 // K and V of key block n_block (kv head hk, batch b), once per CTA, completing on kv_full; the
 // first thing each producer (load_kv_and_steps, split_d_producer_sep_do) issues.
@@ -221,9 +198,7 @@ CUTE_DEVICE auto qdo_head_tiles(MainParams<Tr> const& p, int h, int b) {
 // Producer, one elected thread: K and V of key block n_block once, then for every (pass, query
 // head of kv head hk's group, query block in [m_begin, m_end)) Q and dO (TMA) and the block's
 // LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
-// Shared by bwd_main_kernel and bwd_split_d_kernel (both SharedStorage types hold k, v, q, dout,
-// lse, dpsum and the kv_full/full/empty barriers); each passes the CTA's coordinates from its own
-// grid (main: cta_work, split-D: the 3D grid).
+// (The split-D kernel's producer, split_d_producer_sep_do, splits each stage in two rings.)
 template <class Tr>
 CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
                                    int b, int group, int m_begin, int m_end) {
@@ -238,7 +213,7 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
   #pragma unroll 1
   for (int pass = 0; pass < Tr::kPasses; ++pass) {
     // Walk the group's query heads by head index, and LSE/D rows by a running offset: with
-    // hk and b decoded from a 1D grid (FA3_BWD_LPT) rather than read from blockIdx, fewer
+    // hk and b decoded from a 1D grid rather than read from blockIdx, fewer
     // loop values keep the 24-register producer free of spills.
     const int h_first = hk * group, h_end = h_first + group;
     int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
@@ -280,7 +255,7 @@ enum : uint32_t {
 constexpr int kDQBarThreads = 128 + 32;
 
 // A consumer thread's index ct (0..255), its warpgroup wg (0..1) and its thread t_in_wg in the
-// warpgroup. kUniformWg (FA3_BWD_UNIFORM_WG): wg through a shuffle, which ptxas knows is
+// warpgroup. kUniformWg: wg through a shuffle, which ptxas knows is
 // warp-uniform, and ct built from it so that the MMA thread slices' (ct / 128) % 2 folds to wg:
 // the per-warpgroup WGMMA descriptors then live in uniform registers (no R2UR per step).
 template <bool kUniformWg>
@@ -299,9 +274,10 @@ CUTE_DEVICE void consumer_thread(int& ct, int& wg, int& t_in_wg) {
 }
 
 // The kernel's shared storage at the first 1024-byte boundary of the dynamic smem window (the
-// swizzled TMA tiles need it). kSharedSpace (FA3_BWD_SMEM_SPACE): reach it by indexing the
-// __shared__ array, so the compiler keeps the shared space (LDS/STS for the statistics and the
-// dQ tile); else through an integer, which makes those accesses generic LD.E/ST.E.
+// swizzled TMA tiles need it). kSharedSpace (the consumers): reach it by indexing the __shared__
+// array, so the compiler keeps the shared space (LDS/STS for the statistics and the dQ tile, not
+// generic LD.E/ST.E through the LSU's global queue); else through an integer (the producer, whose
+// accesses are TMA/bulk/mbarrier operands anyway: the shared-space form spilled 20 B there).
 template <class Storage, bool kSharedSpace>
 __device__ __forceinline__ Storage& aligned_storage(char* smem_raw) {
   if constexpr (kSharedSpace) {
@@ -313,7 +289,7 @@ __device__ __forceinline__ Storage& aligned_storage(char* smem_raw) {
 }
 
 // dK (scaled by softmax_scale) and dV of consumer warpgroup wg, through shared memory and TMA
-// stores (FA3_BWD_TMA_DKV, one-pass tiles; DKVStore in bwd_traits.cuh). Called once per CTA after
+// stores (one-pass tiles; DKVStore in bwd_traits.cuh). Called once per CTA after
 // the main loop's final warpgroup_wait<0>, by all 128 threads of the warpgroup; `steps` is the
 // number of steps the CTA ran (the step counter `it`).
 // Why the staging memory is free without a barrier between the warpgroups:
@@ -456,7 +432,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   auto storage = [&]() -> Storage& { return aligned_storage<Storage, false>(smem_raw); };
   // The producer warp, on 24 registers, spills 20 B with the shared-space form: it keeps the
   // generic one (its accesses are TMA/bulk/mbarrier operands through cvta anyway).
-  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, Tr::kSmemSpace>(smem_raw); };
+  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, true>(smem_raw); };
   const int warp_group = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     Storage& ss = storage();
@@ -524,11 +500,9 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
         }
         // The CTA may not exit while a bulk reduce still reads its shared memory; every step
         // already waited for that (wait_group.read 0 above). Deterministic mode also waited for
-        // each step's adds to be performed (before publishing the turn). FA3_BWD_DQ_TAIL_READ=1:
-        // no further wait, as FA3's writer and CUTLASS's TMA-store epilogues (and our dK/dV
-        // stores) end: the adds are performed before the grid completes, and the postprocess
-        // kernel reads dQ only after that. 0: wait here until the last adds are performed.
-        if (lane0 && !FA3_BWD_DQ_TAIL_READ) bulk_wait_all();
+        // each step's adds to be performed (before publishing the turn). Wait here until the
+        // last adds are performed too (leaving without it, as FA3's writer does, was level).
+        if (lane0) bulk_wait_all();
       }
     }
   } else {
@@ -620,7 +594,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             const int q0 = m0 + sub * kBlockMSdP;
             // kNoBand (the 80-row hd128 tile, launched only without a band): the key bound alone.
             if constexpr (Tr::kNoBand) need_mask[sub] = n_partial;
-            else if constexpr (Tr::kMaskRows)  // FA3_BWD_MASK_ROWS: rows [iq_min, iq_max] are interior
+            else if constexpr (Tr::kMaskRows)  // rows [iq_min, iq_max] are interior
               need_mask[sub] = q0 < iq_min || min(q0 + kBlockMSdP, p.seqlen_q) - 1 > iq_max;
             else need_mask[sub] =
                 n_partial || !band.block_is_interior(q0, min(q0 + kBlockMSdP, p.seqlen_q) - 1, n0, kBlockN);
@@ -638,7 +612,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
           // once and retired by the next sub-step's first wait; the last one's follows the dQ
           // GEMM (and with kOverlapDK stays in flight into the next step). The dS barrier, the
           // dQ GEMM and its hand-off come once per step.
-          // kSdPAhead (FA3_BWD_SDP_AHEAD, kSubM > 1): every sub-step's S^T and dP^T are issued here,
+          // kSdPAhead (kSubM > 1): every sub-step's S^T and dP^T are issued here,
           // before the first exponential, so that the tensor cores run dP^T(0), S^T(1), dP^T(1) under
           // sub-step 0's exp2/dS math and dV(0), dK(0) under sub-step 1's (instead of dP^T alone).
           // Costs 64 accumulator registers per extra sub-step; the waits below then leave the
@@ -668,22 +642,19 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             // softcap); rows = keys, columns = queries.
             const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
             const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
-            // Per-query statistics of accumulator element i (column get<1>(tScS(i))). kShuffleStats:
-            // lane L keeps columns 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread
+            // Per-query statistics of accumulator element i (column get<1>(tScS(i))). Lane L keeps columns 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread
             // that needs column c = 8j + 2(lane % 4) + e (element i = e + 2 r + 4 j of the
             // ((2,2,kBlockMSdP/8),1,1) accumulator) takes it from lane (c % 64) / 2 by a shuffle:
             // kBlockMSdP/32 registers per statistic instead of up to kBlockMSdP/4 loaded values.
             // A partial last group of 64 columns (80 rows: columns 64..79) is not shuffled: each
             // thread reads its own 4 columns there from shared memory (fewer live registers).
             float2 lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
-            if constexpr (Tr::kShuffleStats) {
-              CUTLASS_PRAGMA_UNROLL
-              for (int c64 = 0; c64 < kBlockMSdP / 64; ++c64) {
-                lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
-                dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
-              }
+            CUTLASS_PRAGMA_UNROLL
+            for (int c64 = 0; c64 < kBlockMSdP / 64; ++c64) {
+              lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
+              dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
             }
-            // kStatsLds (FA3_BWD_STATS_LDS): the thread's own columns 8 j + 2 (lane % 4) + {0, 1}
+            // kStatsLds: the thread's own columns 8 j + 2 (lane % 4) + {0, 1}
             // (element i = e + 2 r + 4 j, as above) as kBlockMSdP / 8 float2 loads: LSE here, under
             // the S^T wait, D after the exponentials, under the dP^T wait.
             constexpr int kStatsV = Tr::kStatsLds ? kBlockMSdP / 8 : 1;
@@ -696,7 +667,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             auto stat = [&](const float* sm, float2 const (&r)[kBlockMSdP / 64], float2 const (&v)[kStatsV], int i) {
               if constexpr (Tr::kStatsLds) {
                 return (i % 2) ? v[i / 4].y : v[i / 4].x;
-              } else if constexpr (Tr::kShuffleStats && Tr::kShflSegLane) {
+              } else if constexpr (Tr::kShflSegLane) {
                 // Source lane 4 (j % 8) + lane % 4 with the lane bits 0-1 taken from the reader
                 // (segment mask 3 in shfl's c operand): 4 (j % 8) is an immediate, so no register
                 // holds the 8 source lanes. Columns past the last full 64 (80 rows: 64..79) are
@@ -707,12 +678,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
                   return shfl_idx_seg3(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8));
                 }
                 return sm[get<1>(tScS(i))];
-              } else if constexpr (Tr::kShuffleStats) {
+              } else {
                 const int j = i / 4;
                 const float2 v = r[j / 8];
                 return __shfl_sync(0xffffffffu, (i % 2) ? v.y : v.x, 4 * (j % 8) + ct % 4);
-              } else {
-                return sm[get<1>(tScS(i))];
               }
             };
             // The band/key-bound mask runs as its own pass, only on boundary blocks, so the

@@ -1,5 +1,5 @@
-// Order of the backward main kernel's CTAs (on by default; FA3_BWD_LPT=0 gives back the 3D grid
-// (key block, kv head, batch) with the key block fastest).
+// Order of the backward main kernels' CTAs (a 1D grid decoded here), and the split of the last
+// wave's units over several CTAs.
 //
 // With a causal or local band the work of a CTA depends on its key block: for causal, key block
 // n visits the query blocks from about n * kBlockN / kBlockM to the end, so block 0 is the
@@ -21,15 +21,6 @@
 
 #include "common/utils.cuh"
 #include "fa3/params.h"
-
-#ifndef FA3_BWD_LPT
-#define FA3_BWD_LPT 1
-#endif
-// FA3_BWD_TAIL_SPLIT: without a band, the units left over after the last full wave run as
-// several CTAs each, over a share of the unit's query blocks (BwdTailSplit below).
-#ifndef FA3_BWD_TAIL_SPLIT
-#define FA3_BWD_TAIL_SPLIT 1
-#endif
 
 namespace fa3 {
 namespace bwd {
@@ -73,7 +64,7 @@ inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& op
   return int(section < total ? section : (total > 0 ? total : 1));
 }
 
-// The last wave's split (FA3_BWD_TAIL_SPLIT; main kernel, one-pass tiles, no band). Without a
+// The last wave's split (main kernel, one-pass tiles, no band). Without a
 // band every unit (key block, kv head, batch) has the same work, so on num_sms SMs the
 // num_tiles % num_sms units past the last full wave run alone while the other SMs idle: at 16k
 // tokens every hd64 problem is 4096 units on 132 SMs, 31 waves and 4 units, ~3% of the time.
@@ -120,7 +111,7 @@ struct BwdTailSplit {
 // them) or when nothing is gained.
 inline BwdTailSplit bwd_tail_split(int num_tiles, int m_len, int group, int num_sms, bool banded) {
   const BwdTailSplit none{num_tiles, 0, 1};
-  if (FA3_BWD_TAIL_SPLIT == 0 || banded || num_sms <= 0 || m_len < 2 || num_tiles <= 0) return none;
+  if (banded || num_sms <= 0 || m_len < 2 || num_tiles <= 0) return none;
   const int tail = num_tiles % num_sms;
   if (tail == 0) return none;
   constexpr int64_t kCtaCost = 2, kMaxParts = 64, kMaxRounds = 2;

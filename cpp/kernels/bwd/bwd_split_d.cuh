@@ -1,13 +1,12 @@
 // The split-D backward main kernel (head dim 256; traits and GEMM list in bwd_split_d_traits.cuh).
-// One CTA per (64 keys, kv head, batch), warp specialised like bwd_main_kernel:
-//   warpgroup 0, warp 0: producer (TMA: K, V once; Q, dO, LSE, D per step into a 2-stage ring),
-//     the same code as bwd_main_kernel's (80 keys, FA3_BWD_HD256_BLOCK_N=80: dO + D in their own
-//     one-stage ring instead, split_d_producer_sep_do in bwd_split_d_sep_do.cuh).
+// One CTA per (80 keys, kv head, batch), warp specialised like bwd_main_kernel:
+//   warpgroup 0, warp 0: producer (TMA: K, V once; per step Q + LSE into a 2-stage ring, dO + D
+//     into a one-stage ring: split_d_producer_sep_do in bwd_split_d_sep_do.cuh).
 //   warpgroups 1, 2: consumers. Per step (query block of 64 rows, one query head of the group):
 //     S, dP for 32 keys each -> P, dS into shared memory -> sync -> each warpgroup accumulates
 //     dV^T and dK^T for its 128 head-dim rows over all 64 keys, and adds its columns of
 //     dQ = dS K to the fp32 accumulator with float4 atomics.
-// Shared with bwd_main.cuh: MainParams, the producer (load_kv_and_steps; its TMA types and
+// Shared with bwd_main.cuh: MainParams, the producer's helpers (load_kv, qdo_*_tiles; TMA types and
 // byte counts are BwdLoads in bwd_traits.cuh), query_block_range, the named-barrier ids, the
 // deterministic turn protocol (identical to the atomic dQ path there) and the dQ accumulator
 // layout (so preprocess/postprocess are the same kernels).
@@ -31,14 +30,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages, kStagesPdS = Tr::kStagesPdS;
-  constexpr bool kSepdO = Tr::kSepdO;  // 80 keys: dO + D in their own one-stage ring
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using Storage = typename Tr::SharedStorage;
 
   extern __shared__ char smem_raw[];
   auto storage = [&]() -> Storage& { return aligned_storage<Storage, false>(smem_raw); };
-  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, Tr::kSmemSpace>(smem_raw); };
+  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, true>(smem_raw); };
   if (threadIdx.x == 0) {
     Storage& ss = storage();
     TxBar::init(&ss.kv_full, 1);
@@ -47,10 +45,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       TxBar::init(&ss.full[s], 1);
       ClusterBar::init(&ss.empty[s], Tr::kNumMmaThreads);  // release_stage: every consumer thread
     }
-    if constexpr (kSepdO) {
-      TxBar::init(&ss.do_full, 1);
-      ClusterBar::init(&ss.do_empty, Tr::kNumMmaThreads);
-    }
+    TxBar::init(&ss.do_full, 1);
+    ClusterBar::init(&ss.do_empty, Tr::kNumMmaThreads);
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -59,22 +55,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     // ------------------------------------------------------------------ producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x == 0) {
-      // main's producer, on this kernel's 3D grid (FA3_BWD_HD256_LPT: the 1D grid in bwd_order.cuh's
-      // longest-first section order; the launch picks the grid to match).
-#if FA3_BWD_HD256_LPT
+      // The 1D grid in bwd_order.cuh's longest-first section order.
       int n_block, hk, b;
       p.order.decode(int(blockIdx.x), n_block, hk, b);
-#else
-      const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-#endif
       const int group = p.heads_q / p.heads_kv;
       BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
       int m_begin, m_end;
       query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-      if (m_end > m_begin) {
-        if constexpr (kSepdO) split_d_producer_sep_do(p, storage(), n_block, hk, b, group, m_begin, m_end);
-        else load_kv_and_steps(p, storage(), n_block, hk, b, group, m_begin, m_end);
-      }
+      if (m_end > m_begin) split_d_producer_sep_do(p, storage(), n_block, hk, b, group, m_begin, m_end);
     }
     return;
   }
@@ -82,12 +70,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
   Storage& ss = consumer_storage();
-#if FA3_BWD_HD256_LPT
   int n_block, hk, b;
   p.order.decode(int(blockIdx.x), n_block, hk, b);
-#else
-  const int n_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-#endif
   const int group = p.heads_q / p.heads_kv;
   BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   int m_begin, m_end;
@@ -151,28 +135,25 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   int it = 0;  // step counter: Q/dO stage and phase, P/dS buffer
   for (int hi = 0; hi < group; ++hi) {
     const int h = hk * group + hi;
-    if constexpr (kSepdO) {
-      // Recomputed per query head (a few integer ops): kept live across the step loop, the
-      // range spilled at 80 keys.
-      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-    }
+    // Recomputed per query head (a few integer ops): kept live across the step loop, the range
+    // spilled.
+    query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
     for (int m = m_begin; m < m_end; ++m, ++it) {
       const int m0 = m * kBlockM;
       const bool need_mask =
           n_partial || !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN);
       const int stage = it % kStages;
-      const int do_stage = kSepdO ? 0 : stage;
       const int buf = it % kStagesPdS;
       TxBar::wait(&ss.full[stage], (it / kStages) & 1);
 
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor tdPrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       wgmma_gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, tSrS);
-      // Separate dO ring: its load started when the last step's dV^T retired; S runs meanwhile.
-      if constexpr (kSepdO) TxBar::wait(&ss.do_full, it & 1);
-      wgmma_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, do_stage), tdPrV, tdPrdP);
+      // The dO load started when the last step's dV^T retired; S runs meanwhile.
+      TxBar::wait(&ss.do_full, it & 1);
+      wgmma_gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, 0), tdPrV, tdPrdP);
       const float* lse = ss.lse.data() + stage * kBlockM;
-      const float* dpsum = ss.dpsum.data() + do_stage * kBlockM;
+      const float* dpsum = ss.dpsum.data();
       const float lse_r[2] = {lse[row_lo], lse[row_hi]};
       const float dpsum_r[2] = {dpsum[row_lo], dpsum[row_hi]};
       auto masked = [&](int i) {
@@ -230,7 +211,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
             local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(0, _0{})));
         wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
       }
-      wgmma_gemm<false, -1>(mma_dkv, tdVrdO(_, _, _, do_stage), tdVrP(_, _, _, buf), tdVrdV);
+      wgmma_gemm<false, -1>(mma_dkv, tdVrdO(_, _, _, 0), tdVrP(_, _, _, buf), tdVrdV);
       wgmma_gemm<false, -1>(mma_dkv, tdKrQ(_, _, _, stage), tdKrdS(_, _, _, buf), tdKrdK);
 
       const int64_t acc_base = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
@@ -250,13 +231,11 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < Tr::kDQFrag / 4; ++j)
         dq_add_f32x4(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
-      if constexpr (kSepdO) {
-        // dV^T (issued before dK^T) is the last reader of dO: free the slot now, so the next
-        // step's dO load runs under dK^T, dQ chunk 1 and the next S. dK^T stays in flight.
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tdVrdV);
-        release_stage(&ss.do_empty);
-      }
+      // dV^T (issued before dK^T) is the last reader of dO: free the slot now, so the next
+      // step's dO load runs under dK^T, dQ chunk 1 and the next S. dK^T stays in flight.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tdVrdV);
+      release_stage(&ss.do_empty);
       {
         Tensor tdQrK = thr_dq.partition_fragment_B(
             local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(1, _0{})));
@@ -285,40 +264,28 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
   Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
   Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
-  if constexpr (kSepdO) {
-    // 80 keys: with 160 accumulators live, the per-element global stores below spilled (their
-    // addresses and key predicates are hoisted). Instead: dK, dV -> shared memory as (key, d)
-    // rows over the dead K and Q tiles (each address = a per-thread base + a constant), then
-    // 16-byte coalesced global stores of the valid key rows.
-    cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);  // both WGs done with K, Q
-    Element* sdk = ss.q.data();  // 64 KB >= 40 KB
-    Element* sdv = ss.k.data();  // exactly 80 x 256
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      const int off = get<1>(tdKVc(i)) * kHeadDim + get<0>(tdKVc(i));
-      sdk[off] = Element(tdKrdK(i) * p.softmax_scale);
-      sdv[off] = Element(tdVrdV(i));
-    }
-    cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
-    constexpr int kVecRow = kHeadDim / 8;  // 16-byte vectors per key row
-    const int n_vec = min(kBlockN, p.seqlen_k - n0) * kVecRow;
-    #pragma unroll 1
-    for (int c = ct; c < n_vec; c += Tr::kNumMmaThreads) {
-      const int r = c / kVecRow, col = (c % kVecRow) * 8;
-      const int64_t off = int64_t(n0 + r) * kv_stride_row + col;
-      *reinterpret_cast<uint4*>(dk + off) = *reinterpret_cast<const uint4*>(sdk + r * kHeadDim + col);
-      *reinterpret_cast<uint4*>(dv + off) = *reinterpret_cast<const uint4*>(sdv + r * kHeadDim + col);
-    }
-  } else {
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(tdKrdK); ++i) {
-      const int d = get<0>(tdKVc(i)), key = n0 + get<1>(tdKVc(i));
-      if (key < p.seqlen_k) {
-        const int64_t off = int64_t(key) * kv_stride_row + d;
-        dk[off] = Element(tdKrdK(i) * p.softmax_scale);
-        dv[off] = Element(tdVrdV(i));
-      }
-    }
+  // With 160 accumulators live, per-element global stores spilled (their addresses and key
+  // predicates are hoisted). Instead: dK, dV -> shared memory as (key, d) rows over the dead K and
+  // Q tiles (each address = a per-thread base + a constant), then 16-byte coalesced global stores
+  // of the valid key rows.
+  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);  // both WGs done with K, Q
+  Element* sdk = ss.q.data();  // 64 KB >= 40 KB
+  Element* sdv = ss.k.data();  // exactly 80 x 256
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(tdKrdK); ++i) {
+    const int off = get<1>(tdKVc(i)) * kHeadDim + get<0>(tdKVc(i));
+    sdk[off] = Element(tdKrdK(i) * p.softmax_scale);
+    sdv[off] = Element(tdVrdV(i));
+  }
+  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
+  constexpr int kVecRow = kHeadDim / 8;  // 16-byte vectors per key row
+  const int n_vec = min(kBlockN, p.seqlen_k - n0) * kVecRow;
+  #pragma unroll 1
+  for (int c = ct; c < n_vec; c += Tr::kNumMmaThreads) {
+    const int r = c / kVecRow, col = (c % kVecRow) * 8;
+    const int64_t off = int64_t(n0 + r) * kv_stride_row + col;
+    *reinterpret_cast<uint4*>(dk + off) = *reinterpret_cast<const uint4*>(sdk + r * kHeadDim + col);
+    *reinterpret_cast<uint4*>(dv + off) = *reinterpret_cast<const uint4*>(sdv + r * kHeadDim + col);
   }
 }
 

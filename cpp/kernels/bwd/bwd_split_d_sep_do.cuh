@@ -1,6 +1,4 @@
-// Producer of the split-D kernel when dO has its own ring (SplitDTraits::kSepdO: 80 keys per CTA).
-// A separate function (not a mode of the shared producer load_kv_and_steps in bwd_main.cuh, which
-// the 64-key split-D kernel and bwd_main_kernel use) so that their code stays as it is. The same
+// Producer of the split-D kernel, whose dO has its own one-stage ring (SplitDTraits::kStagesdO). The same
 // arguments, TMA types and byte counts (BwdLoads<Tr>, bwd_traits.cuh). One elected thread issues
 // everything:
 //   K, V once (kv_full);
@@ -21,7 +19,7 @@ namespace bwd {
 template <class Tr>
 CUTE_DEVICE void split_d_producer_sep_do(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block,
                                          int hk, int b, int group, int m_begin, int m_end) {
-  static_assert(Tr::kSepdO && Tr::kStagesdO == 1);
+  static_assert(Tr::kStagesdO == 1);
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;

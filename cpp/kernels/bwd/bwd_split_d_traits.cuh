@@ -22,48 +22,31 @@
 
 #include "bwd/bwd_traits.cuh"
 
-// Build switch, on by default: head dim 256 uses this variant (1.11-1.18x the column-pass kernel
-// at 2k-8k on the H200); FA3_BWD_DEFINES="FA3_BWD_HD256_SPLIT_D=0" gives back the column passes.
-#ifndef FA3_BWD_HD256_SPLIT_D
-#define FA3_BWD_HD256_SPLIT_D 1
-#endif
-// Keys per CTA: 80 (default since session 5, FA3's hd256 tile: +8-16% over 64) or 64. 80 keys
-// cut the Q/dO loads and the dQ atomics per MAC by 20% and spread each step's fixed costs over
-// 25% more tensor work; to fit 227 KB, dO then gets its own one-stage ring (Q keeps two) and is
-// released as soon as dV^T has read it (NOTES.md, "Split-D with 80 keys").
-#ifndef FA3_BWD_HD256_BLOCK_N
-#define FA3_BWD_HD256_BLOCK_N 80
-#endif
-
-// Longest-first CTA order for split-D (FA3_BWD_HD256_LPT=1, the default since session 8, with
-// FA3_BWD_DQ_RED; NOTES.md "Session 7c"): the 1D grid and section order of bwd_order.cuh (FA3_BWD_LPT, which the other
-// head dims use) instead of the 3D grid. Causal hd256 CTAs run 1..128 steps (8k); in the 3D order
-// the longest CTA of the last (kv head, batch) starts in the last wave (tail model: 5.8-8.1% over
-// the ideal at 512-8k, 1.0-1.9% in section order). Without a band the section is 1: the same
-// order as the 3D grid.
-#ifndef FA3_BWD_HD256_LPT
-#define FA3_BWD_HD256_LPT 1
-#endif
+// Head dim 256 runs this variant: 1.11-1.18x the column-pass kernel at 2k-8k on the H200.
+// 80 keys per CTA (FA3's hd256 tile: +8-16% over 64): they cut the Q/dO loads and the dQ adds per
+// MAC by 20% and spread each step's fixed costs over 25% more tensor work; to fit 227 KB, dO gets
+// its own one-stage ring (Q keeps two) and is released as soon as dV^T has read it.
+// The CTAs run in bwd_order.cuh's longest-first section order, as the main kernel's (causal hd256
+// CTAs run 1..128 steps at 8k; the 3D grid's tail model was 5.8-8.1% over the ideal at 512-8k,
+// 1.0-1.9% in section order).
 
 namespace fa3 {
 namespace bwd {
 
-template <typename Element_, int kHeadDim_, bool kSoftcap_, int kBlockN_ = FA3_BWD_HD256_BLOCK_N>
+template <typename Element_, int kHeadDim_, bool kSoftcap_>
 struct SplitDTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr int kBlockM = 64;     // query rows per step
-  static constexpr int kBlockN = kBlockN_;  // keys per CTA (registers: 2 x kBlockN for dK^T + dV^T)
+  static constexpr int kBlockN = 80;    // keys per CTA (registers: 2 x kBlockN for dK^T + dV^T)
   static constexpr int kNumMmaWG = 2;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;  // + producer warpgroup
   static constexpr int kStages = 2;    // Q/dO/LSE/D ring: the next step's 64 KB load overlaps
-  // 80 keys: dO and D get a separate one-stage ring (K and V grow by 16 KB, two dO stages no
-  // longer fit); dO is released after dV^T, half a step before the next dP needs it (FA3 does
-  // the same). 64 keys: one ring, kStagesdO == kStages.
-  static constexpr int kStagesdO = kBlockN == 64 ? kStages : 1;
-  static constexpr bool kSepdO = kStagesdO != kStages;
+  // dO and D get a separate one-stage ring (two dO stages do not fit next to 80 keys of K and
+  // V); dO is released after dV^T, half a step before the next dP needs it (FA3 does the same).
+  static constexpr int kStagesdO = 1;
   static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
                                        // warpgroup may still read this step's (no extra barrier)
   static constexpr int kPasses = 1;    // one walk over the query blocks (the shared producer's
@@ -77,19 +60,14 @@ struct SplitDTraits {
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   using DQTileShape = Shape<Int<kBlockM>, Int<kHdChunk>>;  // one dQ chunk, (queries, columns)
   static constexpr bool kDQSmem = false;
-  // FA3_BWD_SMEM_SPACE / FA3_BWD_UNIFORM_WG (bwd_traits.cuh; NOTES.md "Session 6: ours vs FA3 at
-  // hd128 causal, SASS", subsection "Split-D (hd256) and hd192"): the consumers reach
-  // SharedStorage with its shared address space kept (statistics loads, the dK/dV staging of the
-  // 80-key epilogue: LDS/STS, not generic LD/ST), and take their warpgroup index warp-uniform
-  // (WGMMA descriptors in uniform registers, not per thread + R2UR).
-  static constexpr bool kSmemSpace = FA3_BWD_SMEM_SPACE;
-  static constexpr bool kUniformWg = FA3_BWD_UNIFORM_WG;
+  // The consumers take their warpgroup index warp-uniform (WGMMA descriptors in uniform
+  // registers, not per thread + R2UR; see BwdTraitsT::kUniformWg).
+  static constexpr bool kUniformWg = true;
   // See BwdTraits: 384 x 168 = 128 x 24 + 256 x 240.
   static constexpr int kProducerRegs = 24;
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHeadDim == 256, "split-D is written for head dim 256 (192 would need 96-row WG halves)");
-  static_assert(kBlockN == 64 || kBlockN == 80, "80 keys is the most dK^T + dV^T registers allow");
   static_assert(kDQFrag % 4 == 0);
 
   // ---- shared-memory layouts (physical: row-major tiles, last mode contiguous)
@@ -116,18 +94,18 @@ struct SplitDTraits {
   // P, dS (queries, keys), keys contiguous: written from the S/dP accumulators with stmatrix;
   // dS is the K-major A operand of dQ, and the transposed views (keys, queries) are the
   // MN-major B operands of dV^T / dK^T. The stmatrix copy splits the columns by warpgroup, so an
-  // atom must not straddle the 40-key halves of an 80-key tile: 8-column atoms there (no swizzle:
-  // each 8 x 8 core matrix is 128 contiguous bytes, one stmatrix matrix, no bank conflicts). The
-  // 64-key tile keeps its 128-byte swizzle (cute splits a 64-column atom in two evenly).
-  using AtomPdS = decltype(kmajor_atom<Element, kBlockN == 64 ? kBlockN : kBlockN / kNumMmaWG>());
+  // atom must not straddle the 40-key halves of the tile: 8-column atoms (no swizzle: each 8 x 8
+  // core matrix is 128 contiguous bytes, one stmatrix matrix, no bank conflicts).
+  using AtomPdS = decltype(kmajor_atom<Element, kBlockN / kNumMmaWG>());
   using SmemLayoutPdS = decltype(tile_to_shape(AtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kStagesPdS>>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kStagesPdS>>{},
                                    Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
 
-  // stmatrix of a warpgroup's S/dP accumulator (64 x kBlockN / 2): four 8x8 matrices per
-  // instruction need 16-key column groups; 40 keys (80-key CTA) store two at a time.
-  using StsmAtom = std::conditional_t<(kBlockN / kNumMmaWG) % 16 == 0, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>;
+  // stmatrix of a warpgroup's S/dP accumulator (64 x 40 keys): four 8x8 matrices per
+  // instruction would need 16-key column groups, so two at a time.
+  using StsmAtom = SM90_U32x2_STSM_N;
+  static_assert((kBlockN / kNumMmaWG) % 16 == 8);
 
   // ---- WGMMA tilings (2 consumer warpgroups)
   // S, dP: (queries 64, keys kBlockN, d 256); warpgroup w takes keys [w, w + 1) * kBlockN / 2.
@@ -148,8 +126,7 @@ struct SplitDTraits {
 
   // The producer's TMA types and transaction bytes: BwdLoads (bwd_traits.cuh), as for BwdTraits.
 
-  // 64 keys: 32 (K) + 32 (V) + 2 x 64 (Q, dO stages) + 16 (P x2) + 16 (dS x2) = 224 KB + statistics.
-  // 80 keys: 40 + 40 + 2 x 32 (Q) + 32 (dO) + 20 (P x2) + 20 (dS x2) = 216 KB + statistics.
+  // 40 (K) + 40 (V) + 2 x 32 (Q) + 32 (dO) + 20 (P x2) + 20 (dS x2) = 216 KB + statistics.
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
@@ -158,24 +135,24 @@ struct SplitDTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> p;
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> ds;
     cute::array_aligned<float, kStages * kBlockM, 16> lse;    // log2-domain LSE per stage
-    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D = rowsum(dO o O) per (dO) stage
+    cute::array_aligned<float, kStages * kBlockM, 16> dpsum;  // D of the dO stage (first kBlockM)
     uint64_t kv_full;
-    uint64_t full[kStages];   // Q ring (and dO when !kSepdO)
+    uint64_t full[kStages];   // Q ring
     uint64_t empty[kStages];
-    uint64_t do_full;         // kSepdO only: the one-stage dO + D ring (inside the 1024 B padding
-    uint64_t do_empty;        // of the 64-key struct, so its size and offsets are unchanged)
+    uint64_t do_full;         // the one-stage dO + D ring
+    uint64_t do_empty;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment
   static_assert(kSmemBytes <= 232448, "split-D backward tile exceeds 227 KB of shared memory");
 };
 
 template <class Tr> struct IsSplitD : std::false_type {};
-template <typename E, int D, bool S, int N> struct IsSplitD<SplitDTraits<E, D, S, N>> : std::true_type {};
+template <typename E, int D, bool S> struct IsSplitD<SplitDTraits<E, D, S>> : std::true_type {};
 
-// The traits a (element, head dim, softcap) backward is built with: split-D for hd256 when the
-// switch is on, the default tile table otherwise.
+// The traits a (element, head dim, softcap) backward is built with: split-D for hd256, the
+// tile table otherwise.
 template <typename Element, int kHeadDim, bool kSoftcap>
-using BwdTraitsFor = std::conditional_t<FA3_BWD_HD256_SPLIT_D && kHeadDim == 256,
+using BwdTraitsFor = std::conditional_t<kHeadDim == 256,
                                         SplitDTraits<Element, kHeadDim, kSoftcap>,
                                         BwdTraits<Element, kHeadDim, kSoftcap>>;
 
