@@ -303,9 +303,9 @@ def main(args) -> int:
                     heads_kv=a.heads_kv, head_dim=a.head_dim, dtype=run.dtype.name,
                     causal=a.causal, layout=a.layout, strategies=run.strategies,
                     implementation=run.impl or "auto (portable on CPU)",
-                    fwd_impl=attention.resolve_implementation(run.impl, q, k, "fwd"),
+                    fwd_impl=attention.resolve_implementation(run.impl, q, "fwd"),
                     backward=run.backward,
-                    bwd_impl=(attention.resolve_implementation(run.impl, q, k, "bwd")
+                    bwd_impl=(attention.resolve_implementation(run.impl, q, "bwd")
                               if run.backward else None),
                     bwd_kernel_missing_reason=run.bwd_reason),
         correctness={})

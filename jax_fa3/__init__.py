@@ -4,16 +4,13 @@
     out = flash_attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
 
 `build_info()` says what the CUDA extension holds (None when it is not built);
-`unavailable_reason(direction, dtype, head_dim)` says why a kernel cannot run here.
+`unavailable_reason(direction, dtype, head_dim)` says why a kernel cannot run here (the
+missing Hopper GPU or build first). docs/architecture.md describes the layers.
 """
 
 from jax_fa3._ffi import build_info, is_built
-from jax_fa3.attention import (
-    dot_product_attention,
-    flash_attention,
-    kernel_available,
-    unavailable_reason,
-)
+from jax_fa3.attention import flash_attention, kernel_available, unavailable_reason
+from jax_fa3.compat import dot_product_attention
 
 __all__ = [
     "flash_attention",

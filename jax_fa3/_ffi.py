@@ -51,32 +51,39 @@ def _compiled(direction: str) -> tuple:
 def _device_reason() -> str | None:
     """Why the default device cannot run sm_90a kernels, or None if it can."""
     if jax.default_backend() != "gpu":
-        return f"the default JAX backend is {jax.default_backend()!r}, not an NVIDIA GPU"
+        return f"no Hopper GPU: the default JAX backend is {jax.default_backend()!r}"
     device = jax.devices()[0]
     if getattr(device, "platform", "") != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
-        return f"device {device} is not an NVIDIA GPU"
+        return f"no Hopper GPU: device {device} is not an NVIDIA GPU"
     cc = getattr(device, "compute_capability", None)
     if cc is not None and str(cc) != "9.0":
-        return f"device {device.device_kind} has compute capability {cc}; the kernels need 9.0 (Hopper)"
+        return (f"no Hopper GPU: device {device.device_kind} has compute capability {cc}; the "
+                f"kernels need 9.0")
     return None
 
 
 def extension_reason() -> str | None:
     """None when the extension is built and the default device runs sm_90a kernels (whichever
-    head dims were compiled); otherwise a sentence saying why not."""
+    head dims were compiled); otherwise why not: the missing GPU first, then the missing build."""
+    build = None if _fa3_cuda is not None else (
+        f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})")
+    return "; ".join(r for r in (_device_reason(), build) if r) or None
+
+
+def compiled_reason(direction: str, dtype, head_dim: int) -> str | None:
+    """None when the build holds a `direction` kernel for this dtype and head dim (or there is
+    no build: `extension_reason` says so); otherwise a sentence saying what it holds."""
     if _fa3_cuda is None:
-        return f"the jax_fa3 CUDA extension is not built ({_IMPORT_ERROR})"
-    return _device_reason()
+        return None
+    name = jax.numpy.dtype(dtype).name
+    compiled = _compiled(direction)
+    if (name, int(head_dim)) in compiled:
+        return None
+    return (f"no {direction} kernel compiled for dtype {name} and head_dim {head_dim} "
+            f"(compiled: {list(compiled) or 'none'})")
 
 
 def unavailable_reason(direction: str, dtype, head_dim: int) -> str | None:
     """None when the kernel for `direction` ('fwd' or 'bwd') can run this dtype and head dim
-    on the default device; otherwise a sentence saying why not."""
-    if _fa3_cuda is None:
-        return extension_reason()
-    name = jax.numpy.dtype(dtype).name
-    compiled = _compiled(direction)
-    if (name, int(head_dim)) not in compiled:
-        return (f"no {direction} kernel compiled for dtype {name} and head_dim {head_dim} "
-                f"(compiled: {list(compiled) or 'none'})")
-    return _device_reason()
+    on the default device; otherwise a sentence saying why not (the machine first)."""
+    return extension_reason() or compiled_reason(direction, dtype, head_dim)

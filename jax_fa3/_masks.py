@@ -1,4 +1,6 @@
-"""The one place where the public mask options become the kernels' band.
+"""The one place where the public mask options become the kernels' band: `band` for
+flash_attention's (causal, window_size), `top_left_band` for jax.nn's (is_causal,
+local_window_size), `band_mask` for the dense boolean form.
 
 Internally a mask is a pair of ints (left, right): query i sees key j iff
     -left <= j - i - (seqlen_k - seqlen_q) <= right
@@ -32,3 +34,17 @@ def band_mask(seqlen_q: int, seqlen_k: int, left: int, right: int) -> np.ndarray
     """Boolean (seqlen_q, seqlen_k) of the band (a numpy constant)."""
     rel = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)
     return (rel >= -left) & (rel <= right)
+
+
+def top_left_band(is_causal: bool, window: tuple[int, int] | None, seqlen_q: int,
+                  seqlen_k: int) -> tuple[int, int]:
+    """(left, right) of jax.nn's masks, which are top-left aligned: query i sees key j iff
+    -window_left <= j - i <= window_right (window None = unbounded) and, when causal, j <= i.
+    Our diagonal sits seqlen_k - seqlen_q keys to the right of jax.nn's, hence the shift."""
+    left, right = (UNBOUNDED, UNBOUNDED) if window is None else window
+    if is_causal:
+        right = min(right, 0)
+    shift = seqlen_k - seqlen_q
+    left = left if left >= UNBOUNDED else left + shift
+    right = right if right >= UNBOUNDED else right - shift
+    return clamp(left), clamp(right)

@@ -93,11 +93,12 @@ def static_int(name: str, x) -> int:
                         f"{x!r}") from err
 
 
-def check_softmax_scale(softmax_scale, head_dim: int) -> float:
-    """The scale, 1/sqrt(head_dim) when None."""
+def check_softmax_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    """The scale, 1/sqrt(head_dim) when None; errors call it `name` (the caller's argument).
+    0 is legal: every visible key gets the same weight."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    return static_float("softmax_scale", softmax_scale)
+    return static_float(name, softmax_scale)
 
 
 def check_softcap(softcap) -> float:
@@ -131,14 +132,11 @@ def check_implementation(implementation):
     return implementation
 
 
-def kernel_input_reason(dtype, head_dim: int, shapes=()) -> str | None:
-    """Why the Hopper kernels cannot take inputs of this dtype/head_dim/shapes, or None."""
+def kernel_input_reason(dtype, head_dim: int) -> str | None:
+    """Why the Hopper kernels cannot take inputs of this dtype and head_dim, or None."""
     name = jnp.dtype(dtype).name
     if name not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {name}"
     if head_dim % 8 != 0 or head_dim > MAX_HEAD_DIM:
         return f"the kernels need head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
-    for shape in shapes:
-        if 0 in shape:
-            return f"the kernels need non-empty inputs, got shape {tuple(shape)}"
     return None

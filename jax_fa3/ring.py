@@ -39,12 +39,13 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fa3 import _validate
+from jax_fa3 import _core, _validate
+from jax_fa3._core import Options
+from jax_fa3._masks import UNBOUNDED
 from jax_fa3._vma import varying_like
-from jax_fa3._masks import UNBOUNDED, band
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
-           "ring_attention_fwd", "ring_attention_bwd", "RingConfig", "STRATEGIES", "LAYOUTS"]
+           "ring_attention_fwd", "ring_attention_bwd", "Ring", "STRATEGIES", "LAYOUTS"]
 
 STRATEGIES = ("ring", "allgather")
 LAYOUTS = ("contiguous", "zigzag")
@@ -206,23 +207,13 @@ def gathered_order(x, n: int, layout: str, axis: int = 1):
 # ----------------------------------------------------------------------------- local math
 
 @dataclasses.dataclass(frozen=True)
-class RingConfig:
-    """Static options of one ring attention call (hashable: a custom_vjp nondiff arg)."""
+class Ring:
+    """How the sequence is spread (hashable: a custom_vjp nondiff argument): the mesh axis
+    (a name or a tuple of names), the strategy and the layout. The attention options
+    themselves are the `jax_fa3._core.Options` of the call, with the GLOBAL band."""
     axis_name: object
-    softmax_scale: float
-    softcap: float
-    left: int
-    right: int
     strategy: str = "ring"
     layout: str = "contiguous"
-    deterministic: bool = False
-    implementation: str | None = None
-
-
-def _local_ops():
-    # Imported late: the public API module imports the sharding layer, which imports us.
-    from jax_fa3 import attention
-    return attention.attention_fwd, attention.attention_bwd
 
 
 def _lse_weights(lse):
@@ -246,16 +237,14 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
-def _fwd_calls(calls, cfg: RingConfig, q, k, v, acc):
+def _fwd_calls(calls, opts: Options, q, k, v, acc):
     """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse).
 
     Updates are dynamic_update_slice, not `.at[...].set`: see `_add_rows`."""
-    attention_fwd, _ = _local_ops()
     o_acc, lse_acc = acc
     for c in calls:
-        o, lse = attention_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
-                               softmax_scale=cfg.softmax_scale, softcap=cfg.softcap,
-                               left=c.left, right=c.right, implementation=cfg.implementation)
+        o, lse = _core.attention_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
+                                     opts.with_band(c.left, c.right))
         o, lse = merge_partials(o_acc[:, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1],
                                 o.astype(jnp.float32), lse.astype(jnp.float32))
         o_acc = lax.dynamic_update_slice_in_dim(o_acc, o, c.q0, axis=1)
@@ -273,17 +262,14 @@ def _add_rows(acc, x, start):
     return lax.dynamic_update_slice_in_dim(acc, part, start, axis=1)
 
 
-def _bwd_calls(calls, cfg: RingConfig, q, k, v, out, lse, dout, dlse, acc):
+def _bwd_calls(calls, opts: Options, q, k, v, out, lse, dout, dlse, acc):
     """Add the partial (dq, dk, dv) of `calls` into float32 accumulators. The LSE cotangent
     `dlse` (or None) adds p * dlse to dS, which splits over key blocks like the rest."""
-    _, attention_bwd = _local_ops()
     dq, dk, dv = acc
     for c in calls:
-        gq, gk, gv = attention_bwd(
+        gq, gk, gv = _core.attention_bwd(
             q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], out[:, c.q0:c.q1],
-            lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], softmax_scale=cfg.softmax_scale,
-            softcap=cfg.softcap, left=c.left, right=c.right, deterministic=cfg.deterministic,
-            implementation=cfg.implementation,
+            lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], opts.with_band(c.left, c.right),
             dlse=None if dlse is None else dlse[:, :, c.q0:c.q1])
         dq = _add_rows(dq, gq, c.q0)
         dk = _add_rows(dk, gk, c.k0)
@@ -311,79 +297,81 @@ def _ring_perm(n: int):
 
 # ----------------------------------------------------------------------------- fwd / bwd
 
-def ring_attention_fwd(q, k, v, cfg: RingConfig):
+def ring_attention_fwd(q, k, v, opts: Options, ring: Ring):
     """Local shards in, local (out in q.dtype, lse float32 (b, hq, sq_local)) out.
 
     The building block of `ring_attention` and of the sharding rules; not differentiable
     (use `ring_attention`)."""
-    n = lax.axis_size(cfg.axis_name)
+    n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     b, _, hq, d = q.shape
     acc = (jnp.zeros((b, sq, hq, d), jnp.float32), jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
     acc = tuple(varying_like(a, q, k, v) for a in acc)
 
     def run(calls, acc, q, k, v):
-        return _fwd_calls(calls, cfg, q, k, v, acc)
+        return _fwd_calls(calls, opts, q, k, v, acc)
 
-    if cfg.strategy == "allgather":
-        kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
-        vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
-        plans = [allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)]
-        acc = _switch(cfg.axis_name, plans, run, (acc, q, kf, vf))
+    if ring.strategy == "allgather":
+        kf = natural_order(lax.all_gather(k, ring.axis_name, axis=1, tiled=True), n, ring.layout)
+        vf = natural_order(lax.all_gather(v, ring.axis_name, axis=1, tiled=True), n, ring.layout)
+        plans = [allgather_plans(ring.layout, n, sq, sk, opts.left, opts.right)]
+        acc = _switch(ring.axis_name, plans, run, (acc, q, kf, vf))
     else:
-        plans = [ring_step_plans(cfg.layout, n, t, sq, sk, cfg.left, cfg.right) for t in range(n)]
+        plans = [ring_step_plans(ring.layout, n, t, sq, sk, opts.left, opts.right)
+                 for t in range(n)]
         perm = _ring_perm(n)
 
         def step(carry, t):
             k, v, acc = carry
             # Issue the next block's transfer before this block's compute: they overlap.
-            k_next, v_next = (lax.ppermute(x, cfg.axis_name, perm) for x in (k, v))
-            acc = _switch(cfg.axis_name, plans[:-1], run, (acc, q, k, v), t)
+            k_next, v_next = (lax.ppermute(x, ring.axis_name, perm) for x in (k, v))
+            acc = _switch(ring.axis_name, plans[:-1], run, (acc, q, k, v), t)
             return (k_next, v_next, acc), None
 
         # A scan, not an unrolled loop: the plans repeat across steps, so each is compiled once.
         if n > 1:
             (k, v, acc), _ = lax.scan(step, (k, v, acc), jnp.arange(n - 1))
-        acc = _switch(cfg.axis_name, plans[-1:], run, (acc, q, k, v))  # last block: no send
+        acc = _switch(ring.axis_name, plans[-1:], run, (acc, q, k, v))  # last block: no send
     o, lse = acc
     return o.astype(q.dtype), lse
 
 
-def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
+def ring_attention_bwd(q, k, v, out, lse, dout, opts: Options, ring: Ring, dlse=None):
     """(dq, dk, dv) of the local shards, given the final local out/lse, dout and optionally
     an LSE cotangent dlse (b, hq, sq_local)."""
-    n = lax.axis_size(cfg.axis_name)
+    n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     f32 = jnp.float32
 
     def run(calls, acc, q, k, v, out, lse, dout):
-        return _bwd_calls(calls, cfg, q, k, v, out, lse, dout, dlse, acc)
+        return _bwd_calls(calls, opts, q, k, v, out, lse, dout, dlse, acc)
 
-    if cfg.strategy == "allgather":
-        kf = natural_order(lax.all_gather(k, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
-        vf = natural_order(lax.all_gather(v, cfg.axis_name, axis=1, tiled=True), n, cfg.layout)
+    if ring.strategy == "allgather":
+        kf = natural_order(lax.all_gather(k, ring.axis_name, axis=1, tiled=True), n, ring.layout)
+        vf = natural_order(lax.all_gather(v, ring.axis_name, axis=1, tiled=True), n, ring.layout)
         acc = (jnp.zeros(q.shape, f32), jnp.zeros(kf.shape, f32), jnp.zeros(vf.shape, f32))
         acc = tuple(varying_like(a, q, k, v, out, lse, dout) for a in acc)
-        plans = [allgather_plans(cfg.layout, n, sq, sk, cfg.left, cfg.right)]
-        dq, dk, dv = _switch(cfg.axis_name, plans, run, (acc, q, kf, vf, out, lse, dout))
+        plans = [allgather_plans(ring.layout, n, sq, sk, opts.left, opts.right)]
+        dq, dk, dv = _switch(ring.axis_name, plans, run, (acc, q, kf, vf, out, lse, dout))
         # Every device holds partial dK/dV for the whole sequence: sum them onto the owners.
-        dk = lax.psum_scatter(gathered_order(dk, n, cfg.layout), cfg.axis_name,
+        dk = lax.psum_scatter(gathered_order(dk, n, ring.layout), ring.axis_name,
                               scatter_dimension=1, tiled=True)
-        dv = lax.psum_scatter(gathered_order(dv, n, cfg.layout), cfg.axis_name,
+        dv = lax.psum_scatter(gathered_order(dv, n, ring.layout), ring.axis_name,
                               scatter_dimension=1, tiled=True)
     else:
-        plans = [ring_step_plans(cfg.layout, n, t, sq, sk, cfg.left, cfg.right) for t in range(n)]
+        plans = [ring_step_plans(ring.layout, n, t, sq, sk, opts.left, opts.right)
+                 for t in range(n)]
         perm = _ring_perm(n)
 
         def compute(k, v, grads, step_plans, t=0):
-            return _switch(cfg.axis_name, step_plans, run, (grads, q, k, v, out, lse, dout), t)
+            return _switch(ring.axis_name, step_plans, run, (grads, q, k, v, out, lse, dout), t)
 
         def step(carry, t):
             k, v, dq, dk, dv = carry
-            k_next, v_next = (lax.ppermute(x, cfg.axis_name, perm) for x in (k, v))
+            k_next, v_next = (lax.ppermute(x, ring.axis_name, perm) for x in (k, v))
             dq, dk, dv = compute(k, v, (dq, dk, dv), plans[:-1], t)
             # The float32 dK/dV accumulators follow their block around the ring.
-            dk, dv = (lax.ppermute(x, cfg.axis_name, perm) for x in (dk, dv))
+            dk, dv = (lax.ppermute(x, ring.axis_name, perm) for x in (dk, dv))
             return (k_next, v_next, dq, dk, dv), None
 
         dq, dk, dv = (varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
@@ -393,7 +381,7 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
             (k, v, dq, dk, dv), _ = lax.scan(step, (k, v, dq, dk, dv), jnp.arange(n - 1))
         dq, dk, dv = compute(k, v, (dq, dk, dv), plans[-1:])
         # Device r now holds the accumulators of block r + 1: one more hop takes them home.
-        dk, dv = (lax.ppermute(x, cfg.axis_name, perm) for x in (dk, dv))
+        dk, dv = (lax.ppermute(x, ring.axis_name, perm) for x in (dk, dv))
         k, v = k_own, v_own
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
@@ -402,8 +390,8 @@ def ring_attention_bwd(q, k, v, out, lse, dout, cfg: RingConfig, dlse=None):
 
 def _check_inputs(q, k, v, strategy, layout):
     """Shapes, dtypes and options of ring_attention (q, k, v checks shared with the public
-    API); errors name the argument and what was expected."""
-    _validate.check_qkv(q, k, v)
+    API); errors name the argument and what was expected. Returns q, k, v as arrays."""
+    q, k, v = _validate.check_qkv(q, k, v)
     if strategy not in STRATEGIES:
         raise ValueError(f"ring_attention: strategy must be one of {STRATEGIES}, got {strategy!r}")
     if layout not in LAYOUTS:
@@ -411,6 +399,7 @@ def _check_inputs(q, k, v, strategy, layout):
     if layout == "zigzag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"ring_attention: the zig-zag layout needs even local sequence lengths, "
                          f"got q {q.shape[1]} and k {k.shape[1]}")
+    return q, k, v
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1, -1),
@@ -426,36 +415,34 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1,
     array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
     seq_q_local) float32 when `return_lse`); differentiable in q, k, v, through out and lse.
     """
-    _check_inputs(q, k, v, strategy, layout)
-    left, right = band(_validate.check_bool("causal", causal), _validate.check_window(window_size))
-    cfg = RingConfig(axis_name=axis_name if isinstance(axis_name, str) else tuple(axis_name),
-                     softmax_scale=_validate.check_softmax_scale(softmax_scale, q.shape[-1]),
-                     softcap=_validate.check_softcap(softcap), left=left, right=right,
-                     strategy=strategy, layout=layout,
-                     deterministic=_validate.check_bool("deterministic", deterministic),
-                     implementation=_validate.check_implementation(implementation))
-    out, lse = _ring(q, k, v, cfg)
+    q, k, v = _check_inputs(q, k, v, strategy, layout)
+    opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap,
+                               deterministic=deterministic, implementation=implementation)
+    return_lse = _validate.check_bool("return_lse", return_lse)
+    ring = Ring(axis_name if isinstance(axis_name, str) else tuple(axis_name), strategy, layout)
+    out, lse = _ring(q, k, v, opts, ring)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _ring(q, k, v, cfg):
-    return ring_attention_fwd(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _ring(q, k, v, opts, ring):
+    return ring_attention_fwd(q, k, v, opts, ring)
 
 
-def _ring_vjp_fwd(q, k, v, cfg):
+def _ring_vjp_fwd(q, k, v, opts, ring):
     q, k, v = q.value, k.value, v.value  # symbolic_zeros=True wraps the primals
-    out, lse = ring_attention_fwd(q, k, v, cfg)
+    out, lse = ring_attention_fwd(q, k, v, opts, ring)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _ring_vjp_bwd(cfg, res, cts):
+def _ring_vjp_bwd(opts, ring, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
     if isinstance(dout, SymbolicZero):  # only the lse is differentiated
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    return ring_attention_bwd(q, k, v, out, lse, dout, cfg, dlse=dlse)
+    return ring_attention_bwd(q, k, v, out, lse, dout, opts, ring, dlse=dlse)
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd, symbolic_zeros=True)

@@ -1,7 +1,7 @@
 """Sharding rules for the attention calls, and context parallelism over a Mesh.
 
 `partitioned_attention_fwd` / `partitioned_attention_bwd` have the signatures of
-`jax_fa3.attention.attention_fwd` / `attention_bwd` and run them as ONE local call per device
+`jax_fa3._core.attention_fwd` / `attention_bwd` and run them as ONE local call per device
 when the inputs are sharded under `jax.jit`:
 
   * batch and heads shard freely; with GQA the kv heads follow the query heads (a query-head
@@ -11,9 +11,11 @@ when the inputs are sharded under `jax.jit`:
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
     that mesh axis.
 
-`jax_fa3.flash_attention` calls these two (jax_fa3/attention.py), so the public API partitions
-this way under jit. The automatic sequence route keeps the natural token order, so a causal
-mask loads the last device most; for balanced causal work, permute tokens with
+`jax_fa3.flash_attention` calls these two when its inputs may be partitioned
+(`may_partition`: more than one device and not inside a shard_map over every mesh axis), so
+the public API partitions this way under jit; on one device it calls the core directly. The
+automatic sequence route keeps the natural token order, so a causal mask loads the last
+device most; for balanced causal work, permute tokens with
 `jax_fa3.ring.zigzag_permute` and call `context_parallel_attention(..., layout="zigzag")`.
 
 How: with mesh axes of type Auto (and no sharding in the types) through
@@ -38,13 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jax_fa3 import ring
+from jax_fa3 import _core, ring
+from jax_fa3._core import Options
 from jax_fa3._ops import _fold_batch_rule
 
 __all__ = ["context_parallel_attention", "partitioned_attention_fwd", "partitioned_attention_bwd",
-           "plan_shardings", "AttentionShardings"]
+           "may_partition", "plan_shardings", "AttentionShardings"]
 
 Axes = tuple  # a tuple of mesh axis names sharding one array dimension
 
@@ -133,21 +136,9 @@ def plan_shardings(mesh_shape: dict, q_spec, q_shape, k_shape) -> AttentionShard
 
 # ----------------------------------------------------------------------------- local bodies
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    softmax_scale: float
-    softcap: float
-    left: int
-    right: int
-    implementation: str | None
-    deterministic: bool = False
-
-    def ring(self, axes: Axes) -> ring.RingConfig:
-        return ring.RingConfig(axis_name=axes[0] if len(axes) == 1 else tuple(axes),
-                               softmax_scale=self.softmax_scale, softcap=self.softcap,
-                               left=self.left, right=self.right, layout="contiguous",
-                               deterministic=self.deterministic,
-                               implementation=self.implementation)
+def _ring(axes: Axes) -> ring.Ring:
+    """A sequence sharded over `axes` is contiguous: the ring of that layout."""
+    return ring.Ring(axis_name=axes[0] if len(axes) == 1 else tuple(axes), layout="contiguous")
 
 
 def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
@@ -157,19 +148,17 @@ def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
     return lax.axis_index(shared) * heads_kv_local // lax.axis_size(shared)
 
 
-def _local_fwd(opts: _Options, plan: AttentionShardings, q, k, v):
+def _local_fwd(opts: Options, plan: AttentionShardings, q, k, v):
     """Per-device forward on local shards (a ring over the sequence axes if sharded)."""
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
-        return ring.ring_attention_fwd(q, k, v, opts.ring(plan.seq))
-    attention_fwd, _ = ring._local_ops()
-    return attention_fwd(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                         left=opts.left, right=opts.right, implementation=opts.implementation)
+        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq))
+    return _core.attention_fwd(q, k, v, opts)
 
 
-def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout, dlse=None):
+def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout, dlse=None):
     """Per-device backward (dlse: optional LSE cotangent, sharded like lse); dK/dV partials
     are summed over devices sharing a kv head."""
     k_all, v_all = k, v
@@ -177,14 +166,10 @@ def _local_bwd(opts: _Options, plan: AttentionShardings, q, k, v, out, lse, dout
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
-        dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts.ring(plan.seq),
+        dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts, _ring(plan.seq),
                                              dlse=dlse)
     else:
-        _, attention_bwd = ring._local_ops()
-        dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
-                                   softcap=opts.softcap, left=opts.left, right=opts.right,
-                                   deterministic=opts.deterministic,
-                                   implementation=opts.implementation, dlse=dlse)
+        dq, dk, dv = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse)
     if plan.kv_shared:
         def gather(d, full):  # put this device's kv-head gradient in place, sum over sharers
             d = lax.dynamic_update_slice_in_dim(jnp.zeros(full.shape, jnp.float32),
@@ -233,7 +218,7 @@ def _named(mesh, specs):
     return tuple(NamedSharding(mesh, s) for s in specs)
 
 
-def _cp_fwd(opts: _Options, q_shape, k_shape):
+def _cp_fwd(opts: Options, q_shape, k_shape):
     """custom_partitioning forward for one set of static options."""
 
     @custom_partitioning
@@ -255,7 +240,7 @@ def _cp_fwd(opts: _Options, q_shape, k_shape):
     return op
 
 
-def _cp_bwd(opts: _Options, q_shape, k_shape, with_dlse: bool):
+def _cp_bwd(opts: Options, q_shape, k_shape, with_dlse: bool):
     """custom_partitioning backward for one set of static options (operands q, k, v, out,
     lse, dout and, when with_dlse, the LSE cotangent)."""
 
@@ -309,10 +294,17 @@ def _explicit_plan(mesh, q, k) -> AttentionShardings:
 
 # ----------------------------------------------------------------------------- public wrappers
 
-def partitioned_attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, left: int,
-                              right: int, implementation=None):
-    """`jax_fa3.attention.attention_fwd` that partitions as one local call per device."""
-    opts = _Options(float(softmax_scale), float(softcap), int(left), int(right), implementation)
+def may_partition() -> bool:
+    """Whether an attention call traced now may run on sharded inputs: False with one device,
+    and inside a shard_map over every mesh axis (the arrays there are local shards)."""
+    if jax.device_count() == 1:
+        return False
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or any(t != AxisType.Manual for t in mesh.axis_types)
+
+
+def partitioned_attention_fwd(q, k, v, opts: Options):
+    """`jax_fa3._core.attention_fwd` that partitions as one local call per device."""
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
@@ -324,12 +316,8 @@ def partitioned_attention_fwd(q, k, v, *, softmax_scale: float, softcap: float, 
     return _fold_batch_rule(op)(q, k, v)
 
 
-def partitioned_attention_bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float,
-                              left: int, right: int, deterministic: bool = False,
-                              implementation=None, dlse=None):
-    """`jax_fa3.attention.attention_bwd` that partitions as one local call per device."""
-    opts = _Options(float(softmax_scale), float(softcap), int(left), int(right), implementation,
-                    bool(deterministic))
+def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None):
+    """`jax_fa3._core.attention_bwd` that partitions as one local call per device."""
     args = (q, k, v, out, lse, dout) + ((dlse,) if dlse is not None else ())
     with_dlse = dlse is not None
     mesh = _explicit_mesh(q)

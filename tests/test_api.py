@@ -1,5 +1,9 @@
-"""The public API: flash_attention through its dispatch, implementation selection, exports,
-the internal ring entry points, and dot_product_attention against jax.nn."""
+"""The public API: flash_attention through its dispatch and route, implementation selection
+and the reasons given, exports, and dot_product_attention against jax.nn.
+
+Every test asserts on a machine with the kernels and on one without: where the two differ,
+each side has its own assertion (the kernel's result against the oracle, the kernel's
+custom call in the lowered program, or the error that names the missing GPU)."""
 
 from __future__ import annotations
 
@@ -13,11 +17,11 @@ import pytest
 
 import jax_fa3
 from helpers import check_against_oracle, random_like, random_qkv
-from jax_fa3 import _ffi, attention, portable
-from jax_fa3.attention import dot_product_attention, flash_attention
+from jax_fa3 import _core, _ffi, attention, portable, sharding
+from jax_fa3 import dot_product_attention, flash_attention
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-NOT_BUILT = _ffi.unavailable_reason("fwd", BF16, 128) is not None
+MACHINE = _ffi.extension_reason()  # no Hopper GPU or no build: None on the H200 with the kernels
 
 
 def _fwd_and_grads(q, k, v, dout, **opts):
@@ -28,6 +32,11 @@ def _fwd_and_grads(q, k, v, dout, **opts):
         return out, lse, vjp((dout, jnp.zeros_like(lse)))
 
     return run(q, k, v)
+
+
+def _calls_kernel(f, *args) -> bool:
+    """Whether the lowered program of f(*args) holds the forward kernel's custom call."""
+    return f"@{_ffi.FWD_TARGET}(" in jax.jit(f).lower(*args).as_text()
 
 
 @pytest.mark.parametrize("case", [
@@ -43,13 +52,19 @@ def test_flash_attention_matches_oracle(case):
     check_against_oracle("flash_attention", q, k, v, out, lse, grads, dout, **opts)
 
 
-def test_default_dispatch_is_portable_without_kernel():
-    q, k, v = random_qkv(13, 2, 16, 24, 4, 2, 32, BF16)
-    got = flash_attention(q, k, v, causal=True, return_lse=True)
-    want = portable.forward(q, k, v, softmax_scale=1 / math.sqrt(32), left=1 << 30,
-                            right=0)
-    if NOT_BUILT:
-        assert attention.resolve_implementation(None, q, k) == "xla"
+def test_default_dispatch_takes_the_kernel_where_it_can():
+    """implementation=None: the kernel's custom call where the kernel runs (and its result
+    meets the oracle), else exactly the portable forward."""
+    q, k, v = random_qkv(13, 2, 16, 24, 4, 2, 64, BF16)
+    can_run = attention.kernel_available("fwd", BF16, 64)
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True, return_lse=True)
+    assert attention.resolve_implementation(None, q) == ("cuda" if can_run else "xla")
+    assert _calls_kernel(f, q, k, v) == can_run
+    got = f(q, k, v)
+    if can_run:
+        check_against_oracle("kernel", q, k, v, *got, causal=True)
+    else:
+        want = portable.forward(q, k, v, softmax_scale=1 / math.sqrt(64), right=0)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -72,24 +87,43 @@ def test_accepts_numpy_inputs():
 
 def test_implementation_selection_on_this_machine():
     q, k, _ = random_qkv(16, 1, 4, 4, 2, 2, 64, BF16)
-    assert attention.resolve_implementation("xla", q, k) == "xla"
-    if NOT_BUILT:
-        reason = _ffi.unavailable_reason("fwd", BF16, 64)
-        assert attention.resolve_implementation(None, q, k) == "xla"
-        assert attention.resolve_implementation("cuda", q, k, "bwd") == "xla"
+    fwd_ok = attention.kernel_available("fwd", BF16, 64)
+    bwd_ok = attention.kernel_available("bwd", BF16, 64)
+    assert attention.resolve_implementation("xla", q) == "xla"
+    assert attention.resolve_implementation(None, q) == ("cuda" if fwd_ok else "xla")
+    assert attention.resolve_implementation("cuda", q, "bwd") == ("cuda" if bwd_ok else "xla")
+    if fwd_ok:
+        assert attention.resolve_implementation("cuda", q) == "cuda"
+        assert _calls_kernel(lambda q: flash_attention(q, q, q, implementation="cuda"), q)
+    else:
         with pytest.raises(RuntimeError, match="implementation='cuda'") as err:
             flash_attention(q, k, k, implementation="cuda")
-        assert reason in str(err.value)
+        assert attention.unavailable_reason("fwd", BF16, 64) in str(err.value)
 
 
-@pytest.mark.parametrize("dtype,head_dim,match", [(F32, 64, "bfloat16 or float16"),
-                                                  (BF16, 36, "multiple of 8")])
-def test_cuda_rejects_what_the_kernel_cannot_take(dtype, head_dim, match):
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (F16, 128), (F32, 64), (BF16, 36)])
+def test_the_machine_is_the_first_reason(dtype, head_dim):
+    """Issue 30: without a Hopper GPU or a build, that is the first reason whatever the
+    input, and implementation='cuda' raises the same RuntimeError for it whatever the dtype;
+    on the H200 the input is the reason (a ValueError) or the kernel runs."""
+    reason = attention.unavailable_reason("fwd", dtype, head_dim)
     q, k, v = random_qkv(17, 1, 4, 4, 2, 2, head_dim, dtype)
-    with pytest.raises(ValueError, match=match):
-        flash_attention(q, k, v, implementation="cuda")
+    input_reason = {F32: "bfloat16 or float16", 36: "multiple of 8"}.get(
+        dtype if dtype == F32 else head_dim)
+    if MACHINE is not None:
+        assert reason == MACHINE
+        with pytest.raises(RuntimeError) as err:
+            flash_attention(q, k, v, implementation="cuda")
+        assert str(err.value).startswith(f"implementation='cuda' cannot run this call: {MACHINE}")
+        if input_reason:  # named too, after the machine
+            assert input_reason in str(err.value).split(MACHINE)[1]
+    elif input_reason:
+        assert input_reason in reason
+        with pytest.raises(ValueError, match=input_reason):
+            flash_attention(q, k, v, implementation="cuda")
+    else:  # a compiled (dtype, head dim) on the H200: the kernel runs, or the build lacks it
+        assert reason is None or "no fwd kernel compiled" in reason
     assert flash_attention(q, k, v).shape == q.shape  # None falls back to the portable path
-    assert attention.unavailable_reason("fwd", dtype, head_dim) is not None
 
 
 def test_exports_and_availability():
@@ -99,20 +133,45 @@ def test_exports_and_availability():
     reason = jax_fa3.unavailable_reason("fwd", BF16, 128)
     assert jax_fa3.kernel_available("fwd", BF16, 128) == (reason is None)
     assert (jax_fa3.build_info() is None) == (not jax_fa3.is_built())
-    if not jax_fa3.is_built():
+    if jax_fa3.is_built():
+        assert reason is None or "not built" not in reason
+        assert ("bfloat16", 128) in jax_fa3.build_info()["fwd"] or reason is not None
+    else:
         assert "not built" in reason
 
 
-def test_internal_entry_points_keep_their_signatures():
-    fwd = inspect.signature(attention.attention_fwd)
-    assert list(fwd.parameters) == ["q", "k", "v", "softmax_scale", "softcap", "left", "right",
-                                    "implementation"]
-    bwd = inspect.signature(attention.attention_bwd)
-    assert list(bwd.parameters)[:12] == ["q", "k", "v", "out", "lse", "dout", "softmax_scale",
-                                         "softcap", "left", "right", "deterministic",
-                                         "implementation"]
-    for sig, first_kw in ((fwd, "softmax_scale"), (bwd, "softmax_scale")):
-        assert sig.parameters[first_kw].kind is inspect.Parameter.KEYWORD_ONLY
+def test_partitioned_calls_are_drop_ins_for_the_core():
+    """The sharding layer runs the core's local calls: the same parameters, one Options."""
+    for core_fn, partitioned in ((_core.attention_fwd, sharding.partitioned_attention_fwd),
+                                 (_core.attention_bwd, sharding.partitioned_attention_bwd)):
+        core = list(inspect.signature(core_fn).parameters)
+        assert list(inspect.signature(partitioned).parameters) == [
+            p for p in core if p != "kv_lengths"]
+
+
+def _has_partitioning(f, *args) -> bool:
+    return "custom_partitioning" in str(jax.make_jaxpr(f)(*args))
+
+
+def test_one_device_goes_straight_to_the_core(monkeypatch):
+    """API -> core -> ops on one device: no custom_partitioning in the program (forward or
+    backward); with several devices (this suite simulates 8) the sharding layer is in; inside
+    a shard_map over every mesh axis the arrays are local, so it is not."""
+    q, k, v = random_qkv(18, 2, 8, 8, 2, 2, 16, F32)
+    # A new function per trace: JAX caches traces by function.
+    grad = lambda: jax.grad(lambda q, k, v: flash_attention(q, k, v, causal=True).sum(),
+                            argnums=(0, 1, 2))
+    assert _has_partitioning(grad(), q, k, v) == (jax.device_count() > 1)
+    mesh = jax.make_mesh((jax.device_count(),), ("x",), devices=jax.devices())
+    spec = jax.sharding.PartitionSpec()
+    local = jax.shard_map(grad(), mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3)
+    assert not _has_partitioning(local, q, k, v)
+    sharded = jax.jit(grad())(q, k, v)
+    monkeypatch.setattr(jax, "device_count", lambda *a: 1)
+    assert not _has_partitioning(grad(), q, k, v)
+    for a, b, c in zip(jax.jit(grad())(q, k, v), jax.jit(local)(q, k, v), sharded):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- jax.nn parity
@@ -208,12 +267,18 @@ def test_dot_product_attention_fully_masked_row_is_zero():
 
 
 def test_dot_product_attention_cuda_refuses_what_the_kernel_cannot_do():
+    """A bias, a mask or key lengths with implementation='cuda': a ValueError naming them on
+    the H200; without a GPU or build the machine is named first (a RuntimeError), then them."""
     q, k, v, mask, bias = _nn_inputs()
     qb, kb, vb = (x.astype(BF16) for x in (q, k, v))
-    with pytest.raises(ValueError, match="bias"):
-        dot_product_attention(qb, kb, vb, bias=bias, implementation="cuda")
-    with pytest.raises(ValueError, match="key_value_seq_lengths"):
-        dot_product_attention(qb, kb, vb, implementation="cuda",
-                              key_value_seq_lengths=jnp.array([3, 4], jnp.int32))
+    lengths = jnp.array([3, 4], jnp.int32)
+    for kw, name in ((dict(bias=bias), "bias"), (dict(mask=mask), "mask"),
+                     (dict(key_value_seq_lengths=lengths), "key_value_seq_lengths")):
+        error = RuntimeError if MACHINE else ValueError
+        with pytest.raises(error) as err:
+            dot_product_attention(qb, kb, vb, implementation="cuda", **kw)
+        message = str(err.value)
+        assert f"cannot take {name}" in message
+        assert MACHINE is None or message.index(MACHINE) < message.index(name)
     xla = dot_product_attention(q, k, v, mask=mask, implementation="xla")
     np.testing.assert_array_equal(xla, dot_product_attention(q, k, v, mask=mask))

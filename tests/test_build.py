@@ -4,6 +4,7 @@ checked everywhere."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -13,13 +14,20 @@ built = pytest.mark.skipif(not _ffi.is_built(),
                            reason=f"CUDA extension not built: {_ffi._IMPORT_ERROR}")
 
 
-def test_unbuilt_package_says_why():
-    if _ffi.is_built():
-        pytest.skip("the extension is built here")
-    assert _ffi.build_info() is None
+def test_build_info_and_reasons_agree_with_the_build():
+    """Built: build_info() describes it and a reason never says "not built"; not built:
+    build_info() is None and every reason says so. The missing GPU, where it is missing, comes
+    first either way (issue 30)."""
     for direction in ("fwd", "bwd"):
         reason = _ffi.unavailable_reason(direction, jnp.bfloat16, 128)
-        assert reason is not None and "not built" in reason
+        if _ffi.is_built():
+            assert _ffi.build_info() is not None
+            assert reason is None or "not built" not in reason
+        else:
+            assert _ffi.build_info() is None
+            assert reason is not None and "not built" in reason
+        if jax.default_backend() != "gpu":
+            assert reason.startswith("no Hopper GPU")
 
 
 @built
@@ -46,14 +54,15 @@ def test_registrations_hold_capsules():
 
 
 @built
-def test_unavailable_reason_names_missing_instantiations():
-    info = _ffi.build_info()
-    compiled = set(info["fwd"])
+def test_compiled_reason_names_missing_instantiations():
+    compiled = set(_ffi.build_info()["fwd"])
     for dtype in ("bfloat16", "float16"):
         for head_dim in (64, 96, 128, 192, 256):
-            reason = _ffi.unavailable_reason("fwd", jnp.dtype(dtype), head_dim)
-            if (dtype, head_dim) not in compiled:
-                assert reason is not None and "no fwd kernel compiled" in reason
+            reason = _ffi.compiled_reason("fwd", jnp.dtype(dtype), head_dim)
+            if (dtype, head_dim) in compiled:
+                assert reason is None
+            else:
+                assert "no fwd kernel compiled" in reason
 
 
 def test_extension_present_when_expected():

@@ -3,7 +3,7 @@
 Marked `multigpu` (tests/conftest.py skips them, with the reason, without two GPUs and the
 built kernels). The long-sequence measurement is benchmarks/ring_scaling.py; these are the quick
 checks: the kernels under custom_partitioning and inside the ring (shifted, negative bands),
-against the float64 oracle by the error-ratio rule of DESIGN.md.
+against the float64 oracle by the error-ratio rule of docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
-from jax_fa3 import _ffi, attention, ring, sharding
+from jax_fa3 import _core, _ffi, ring, sharding
 from jax_fa3._masks import band
 
 pytestmark = pytest.mark.multigpu
@@ -64,15 +64,15 @@ def test_batch_head_partition_runs_one_kernel_per_device():
                          devices=jax.devices()[:2])
     q, k, v = helpers.random_qkv(jax.random.key(2), 2, 1024, 1024, 8, 2, 128, jnp.bfloat16)
     left, right = band(True, (-1, -1))
-    opts = dict(softmax_scale=128 ** -0.5, softcap=0.0, left=left, right=right,
-                implementation="cuda")
+    opts = _core.Options(softmax_scale=128 ** -0.5, left=left, right=right,
+                         implementation=_core.resolve_implementation("cuda", q))
     spec = NamedSharding(mesh, P("data", None, "model"))
-    fwd = jax.jit(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts))
+    fwd = jax.jit(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, opts))
     qs, ks, vs = (jax.device_put(x, spec) for x in (q, k, v))
     text = fwd.lower(qs, ks, vs).compile().as_text()
     assert _ffi.FWD_TARGET in text and not re.search(r"\ball-gather\b", text)
     out, lse = fwd(qs, ks, vs)
-    want_out, want_lse = jax.jit(lambda q, k, v: attention.attention_fwd(q, k, v, **opts))(q, k, v)
+    want_out, want_lse = jax.jit(lambda q, k, v: _core.attention_fwd(q, k, v, opts))(q, k, v)
     want = np.asarray(want_out, np.float32)  # the same per-head work: equal up to one ulp
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0,
                                atol=float(jnp.finfo(jnp.bfloat16).eps) * np.abs(want).max())

@@ -1,4 +1,4 @@
-"""The portable path against the float64 oracle, by the error-ratio rule of DESIGN.md.
+"""The portable path against the float64 oracle, by the error-ratio rule of docs/architecture.md.
 
 Cases are a hand-picked spread (not a cartesian product): every dtype, every head dim the
 kernels compile, causal/window/softcap, seqlen_q != seqlen_k both ways, GQA 1/2/8 and MQA,
@@ -16,7 +16,7 @@ import pytest
 
 from helpers import (assert_finite, band_mask, check_against_oracle, random_like, random_qkv,
                      reference_f64, reference_grads_f64)
-from jax_fa3 import attention, portable
+from jax_fa3 import _core, attention, portable
 from jax_fa3._masks import UNBOUNDED, band
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -175,13 +175,13 @@ def test_dense_variant_with_bias_and_mask():
 
 
 def test_backward_from_merged_out_lse_gives_exact_partial_gradients():
-    """The ring-attention contract of attention_bwd: split the keys in two chunks, merge the
+    """The ring-attention contract of _core.attention_bwd: split the keys in two chunks, merge the
     chunk results by their LSE, then each chunk's backward with the FINAL out/lse returns
     that chunk's share of the full gradients."""
     sq, sk = 32, 64
     q, k, v = random_qkv(jax.random.key(16), 2, sq, sk, 4, 2, 32, F32)
     dout = random_like(jax.random.key(17), q)
-    opts = dict(softmax_scale=0.25, softcap=0.0, left=UNBOUNDED, implementation="xla")
+    opts = _core.Options(softmax_scale=0.25, implementation="xla")
     chunks = [(0, 40), (40, 64)]
 
     def right_of(start, stop):
@@ -190,13 +190,14 @@ def test_backward_from_merged_out_lse_gives_exact_partial_gradients():
 
     @jax.jit
     def ring_like(q, k, v, dout):
-        parts = [attention.attention_fwd(q, k[:, a:b], v[:, a:b], right=right_of(a, b), **opts)
+        parts = [_core.attention_fwd(q, k[:, a:b], v[:, a:b],
+                                     opts.with_band(UNBOUNDED, right_of(a, b)))
                  for a, b in chunks]
         lse = jnp.logaddexp(parts[0][1], parts[1][1])
         out = sum(jnp.exp(lse_c - lse).transpose(0, 2, 1)[..., None] * out_c
                   for out_c, lse_c in parts)
-        grads = [attention.attention_bwd(q, k[:, a:b], v[:, a:b], out, lse, dout,
-                                         right=right_of(a, b), deterministic=False, **opts)
+        grads = [_core.attention_bwd(q, k[:, a:b], v[:, a:b], out, lse, dout,
+                                     opts.with_band(UNBOUNDED, right_of(a, b)))
                  for a, b in chunks]
         dq = grads[0][0] + grads[1][0]
         return out, dq, jnp.concatenate([g[1] for g in grads], 1), jnp.concatenate(

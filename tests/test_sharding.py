@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
-from jax_fa3 import attention, sharding
+from jax_fa3 import _core, attention, sharding
 from jax_fa3._masks import band
 
 NDEV = 8
@@ -102,23 +102,21 @@ def _inputs(b, s, hq, hkv, d=16, seed=0):
     return q, k, v, helpers.random_like(jax.random.key(seed + 1), q)
 
 
-def _opts(causal, **kw):
-    left, right = band(causal, kw.pop("window_size", (-1, -1)))
-    return dict(softmax_scale=0.3, softcap=kw.pop("softcap", 0.0), left=left, right=right,
-                implementation=None)
+def _opts(causal, window_size=(-1, -1), softcap=0.0):
+    left, right = band(causal, window_size)
+    return _core.Options(softmax_scale=0.3, softcap=softcap, left=left, right=right)
 
 
 def _fwd_bwd(f_fwd, f_bwd, q, k, v, dout, opts, dlse=None):
     """(out, lse, dq, dk, dv) and the jitted forward and backward."""
-    fwd = jax.jit(lambda q, k, v: f_fwd(q, k, v, **opts))
-    bwd = jax.jit(lambda *a, dlse=None: f_bwd(*a, deterministic=False, dlse=dlse, **opts))
+    fwd = jax.jit(lambda q, k, v: f_fwd(q, k, v, opts))
+    bwd = jax.jit(lambda *a, dlse=None: f_bwd(*a, opts, dlse=dlse))
     out, lse = fwd(q, k, v)
     return (out, lse) + tuple(bwd(q, k, v, out, lse, dout, dlse=dlse)), fwd, bwd
 
 
 def _unsharded(q, k, v, dout, opts, dlse=None):
-    return _fwd_bwd(attention.attention_fwd, attention.attention_bwd, q, k, v, dout, opts,
-                    dlse)[0]
+    return _fwd_bwd(_core.attention_fwd, _core.attention_bwd, q, k, v, dout, opts, dlse)[0]
 
 
 def _put(mesh, spec, *xs):
@@ -228,18 +226,18 @@ def test_inside_shard_map_and_vmap():
     q, k, v, dout = _inputs(2, 16, 8, 4)
     opts = _opts(True)
     spec = P(None, None, "model")
-    f = jax.shard_map(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts),
+    f = jax.shard_map(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, opts),
                       mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, P(None, "model")))
     out, lse = jax.jit(f)(q, k, v)
-    want_out, want_lse = attention.attention_fwd(q, k, v, **opts)
+    want_out, want_lse = _core.attention_fwd(q, k, v, opts)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
 
     stack = lambda x: jnp.stack([x, x[::-1]])  # (2, b, ...): a vmapped leading axis
-    vf = jax.jit(jax.vmap(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, **opts)))
+    vf = jax.jit(jax.vmap(lambda q, k, v: sharding.partitioned_attention_fwd(q, k, v, opts)))
     out, lse = vf(stack(q), stack(k), stack(v))
     for i, sl in enumerate((slice(None), slice(None, None, -1))):
-        o, l = attention.attention_fwd(q[sl], k[sl], v[sl], **opts)
+        o, l = _core.attention_fwd(q[sl], k[sl], v[sl], opts)
         np.testing.assert_allclose(out[i], o, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(lse[i], l, rtol=1e-5, atol=1e-5)
 
@@ -265,7 +263,7 @@ def test_flash_attention_under_sharded_jit():
 
 @pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_flash_attention_sequence_sharded_runs_the_ring(types):
-    """flash_attention on (batch, seq)-sharded inputs routes to ring attention (the hook in
+    """flash_attention on (batch, seq)-sharded inputs routes to ring attention (the route in
     jax_fa3/attention.py): only collective-permutes in the compiled grad, no all-gather of
     q/k/v, results and gradient shardings as unsharded / as the inputs."""
     mesh = _mesh((2, 2), ("data", "sp"), types)

@@ -1,0 +1,156 @@
+"""The core of one attention call: its options record, whether the Hopper kernel can run it,
+and the local forward/backward that dispatch to the kernel (jax_fa3/_ops.py) or the portable
+path (jax_fa3/portable.py).
+
+User input is validated once, at the public entry points (jax_fa3/attention.py,
+jax_fa3/compat.py, jax_fa3/ring.py), which build an `Options` (`flash_options` for the
+arguments flash_attention and ring_attention share); the local calls below trust it. Nothing
+here has autodiff rules or knows about meshes: the public API's custom_vjp calls
+`attention_fwd` / `attention_bwd` directly on one device, and through jax_fa3/sharding.py (one
+local call per device, a ring over a sharded sequence) when the inputs may be partitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_fa3 import _ffi, _masks, _ops, _validate, portable
+from jax_fa3._masks import UNBOUNDED
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Static options of one attention call, validated and normalised.
+
+    The mask is the band (left, right) of jax_fa3/_masks.py. `implementation` is resolved for
+    the forward: "cuda" (the kernel) or "xla" (the portable path); the backward takes the
+    kernel when the forward did and a backward kernel is built for the call. Hashable: a
+    nondiff argument of custom_vjp and a static closure of custom_partitioning."""
+    softmax_scale: float
+    softcap: float = 0.0
+    left: int = UNBOUNDED
+    right: int = UNBOUNDED
+    deterministic: bool = False
+    implementation: str = "xla"
+
+    def with_band(self, left: int, right: int) -> "Options":
+        """The same options on another band (ring attention's shifted chunks), clamped to what
+        the kernels accept."""
+        return dataclasses.replace(self, left=_masks.clamp(left), right=_masks.clamp(right))
+
+
+def flash_options(q, *, softmax_scale, causal, window_size, softcap, deterministic,
+                  implementation) -> Options:
+    """The Options of flash_attention's keyword arguments (shared by ring_attention),
+    validated: errors name the argument. q is a validated (b, sq, hq, d) array."""
+    _validate.check_implementation(implementation)
+    left, right = _masks.band(_validate.check_bool("causal", causal),
+                              _validate.check_window(window_size))
+    return Options(softmax_scale=_validate.check_softmax_scale(softmax_scale, q.shape[-1]),
+                   softcap=_validate.check_softcap(softcap), left=left, right=right,
+                   deterministic=_validate.check_bool("deterministic", deterministic),
+                   implementation=resolve_implementation(implementation, q))
+
+
+# ----------------------------------------------------------------------------- availability
+
+def unavailable_reason(direction: str = "fwd", dtype=jnp.bfloat16,
+                       head_dim: int = 128) -> str | None:
+    """None when the Hopper kernel for `direction` ('fwd' or 'bwd') can run inputs of this
+    dtype and head dim here; otherwise a sentence saying why. The first reason is the one that
+    matters most: no build or no Hopper GPU, then what the kernels cannot take (dtype, head
+    dim), then a (dtype, head dim) the build did not compile."""
+    return (_ffi.extension_reason()
+            or _validate.kernel_input_reason(dtype, head_dim)
+            or _ffi.compiled_reason(direction, dtype, head_dim))
+
+
+def kernel_available(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int = 128) -> bool:
+    """True when the Hopper kernel for `direction` can run this dtype and head dim here."""
+    return unavailable_reason(direction, dtype, head_dim) is None
+
+
+def require_kernel(dtype, head_dim: int, unsupported=()) -> None:
+    """Raise when implementation='cuda' cannot run a call: RuntimeError when the cause is this
+    machine or build (no extension, no Hopper GPU, no kernel compiled for the dtype and head
+    dim), ValueError when it is the input (dtype, head dim, or an option in `unsupported`, a
+    list of sentences). Every reason is named, the machine's first."""
+    machine = _ffi.extension_reason()
+    inputs = [r for r in (_validate.kernel_input_reason(dtype, head_dim), *unsupported) if r]
+    compiled = None if machine or inputs else _ffi.compiled_reason("fwd", dtype, head_dim)
+    reasons = [r for r in (machine, *inputs, compiled) if r]
+    if not reasons:
+        return
+    error = ValueError if inputs and not machine else RuntimeError
+    raise error(f"implementation='cuda' cannot run this call: {'; '.join(reasons)}. "
+                f"Use implementation=None to fall back to the portable path.")
+
+
+def resolve_implementation(implementation, q, direction: str = "fwd", unsupported=()) -> str:
+    """'cuda' (the kernel) or 'xla' (the portable path) for inputs like q.
+
+    `unsupported`: sentences naming options of the call the kernels cannot take. For the
+    forward, implementation='cuda' raises when the kernel cannot run (see `require_kernel`).
+    For the backward an unavailable kernel means the portable path (a build may hold forward
+    kernels only)."""
+    if implementation == "xla":
+        return "xla"
+    if implementation == "cuda" and direction == "fwd":
+        require_kernel(q.dtype, q.shape[-1], unsupported)
+        return "cuda"
+    if unsupported or unavailable_reason(direction, q.dtype, q.shape[-1]) is not None:
+        return "xla"
+    return "cuda"
+
+
+def _backward_on_kernel(q, opts: Options, dlse) -> bool:
+    """The kernel backward runs when the forward ran on the kernel, a backward kernel is built
+    for the call, and there is no LSE cotangent (only the portable backward takes one)."""
+    return (opts.implementation == "cuda" and dlse is None
+            and unavailable_reason("bwd", q.dtype, q.shape[-1]) is None)
+
+
+# ----------------------------------------------------------------------------- local calls
+
+def is_empty(q, k) -> bool:
+    """Nothing to compute: no batch row, query row, head or key."""
+    return 0 in q.shape or 0 in k.shape
+
+
+def _on_kernel(q, k, kv_lengths) -> bool:
+    """Calls the kernel can take once the implementation is 'cuda': no per-batch key lengths,
+    and something to compute (an empty call has the portable path's trivial result)."""
+    return kv_lengths is None and not is_empty(q, k)
+
+
+def attention_fwd(q, k, v, opts: Options, kv_lengths=None):
+    """(out, lse) of attention on local arrays, without autodiff rules.
+
+    q (b, sq, hq, d); k, v (b, sk, hkv, d); out like q; lse (b, hq, sq) float32 (natural log;
+    -inf where a query row sees no key, whose out is 0). `kv_lengths` (b,) int32 (the number
+    of valid keys per batch row) runs the portable path. An empty call (seqlen_q, seqlen_k or
+    batch 0) needs no kernel: out 0, lse -inf, gradients 0, whatever the implementation."""
+    if opts.implementation == "cuda" and _on_kernel(q, k, kv_lengths):
+        return _ops.fwd(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                        window_left=opts.left, window_right=opts.right)
+    return portable.forward(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                            left=opts.left, right=opts.right, kv_lengths=kv_lengths)
+
+
+def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, kv_lengths=None):
+    """(dq, dk, dv) in the dtypes of q, k, v, without autodiff rules.
+
+    The FlashAttention backward: P = exp(S - lse), D = rowsum(dout * out), dS = P * (dP - D).
+    Given the FINAL out/lse of a merged attention (ring chunks) it returns the exact partial
+    gradients of this chunk's q, k, v. `dlse` is an optional LSE cotangent (b, hq, sq), taken
+    by the portable backward; `deterministic` orders the kernel's dQ accumulation (the
+    portable backward always is deterministic)."""
+    if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, opts, dlse):
+        return _ops.bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
+                        softcap=opts.softcap, window_left=opts.left, window_right=opts.right,
+                        deterministic=opts.deterministic)
+    return portable.backward(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
+                             softcap=opts.softcap, left=opts.left, right=opts.right,
+                             kv_lengths=kv_lengths, dlse=dlse)
