@@ -1,8 +1,9 @@
-"""Shared test helpers: random inputs, the float64 numpy oracle, the plain-XLA baseline and the
-error-ratio check of DESIGN.md ("error vs the float64 reference <= 2x the error of plain
-attention computed in the input dtype, plus a small slack").
+"""Shared test helpers: random inputs, THE oracle (one dense reference: numpy float64, or JAX
+float32 at HIGHEST precision), the plain-XLA baseline and the error-ratio check of
+docs/architecture.md ("error vs the oracle <= 2x the error of plain attention computed in the
+input dtype, plus a small slack").
 
-The oracle is numpy float64 so no test needs `jax_enable_x64`. Mask options follow
+The oracle's numpy form is float64 so no test needs `jax_enable_x64`. Mask options follow
 jax_fa3/_masks.py: a band (left, right) around the bottom-right-aligned diagonal, where query i
 sees key j iff  -left <= j - i - (seqlen_k - seqlen_q) <= right.  Every helper takes either the
 public options (`causal`, `window_size`) or the normalised `left`/`right` directly (ring tests
@@ -122,84 +123,123 @@ def _f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def _expand_kv(x, heads_q):
-    """(b, s, hkv, d) -> (b, s, hq, d): query head h reads kv head h // (hq // hkv)."""
-    return np.repeat(x, heads_q // x.shape[2], axis=2)
+# ----------------------------------------------------------------------------- oracle
+#
+# One dense reference, written once over an array module `xp`: numpy in float64
+# (`reference_f64`, the oracle of every numerics check) or jax.numpy in float32 at
+# Precision.HIGHEST (`reference_jax`: jittable and differentiable, for sequences too long for
+# numpy and for gradients through model weights; float64 for float64 inputs under x64).
+# Arrays are (..., seqlen, heads, head_dim); K/V heads are repeated, the score matrix formed.
+
+def _compute(xp, x):
+    """x in the oracle's compute dtype: numpy float64, or JAX float32 (float64 stays)."""
+    if xp is np:
+        return _f64(x)
+    return jnp.asarray(x).astype(jnp.promote_types(jnp.asarray(x).dtype, jnp.float32))
+
+
+def _einsum(xp, spec, a, b):
+    if xp is np:
+        return np.einsum(spec, a, b)
+    return jnp.einsum(spec, a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _expand_kv(xp, x, heads_q):
+    """(..., s, hkv, d) -> (..., s, hq, d): query head h reads kv head h // (hq // hkv)."""
+    return xp.repeat(x, heads_q // x.shape[-2], axis=-2)
 
 
 def _sum_groups(x, heads_kv):
-    """(b, s, hq, d) -> (b, s, hkv, d): sum the query heads of each kv group."""
-    b, s, hq, d = x.shape
-    return x.reshape(b, s, heads_kv, hq // heads_kv, d).sum(axis=3)
+    """(..., s, hq, d) -> (..., s, hkv, d): sum the query heads of each kv group."""
+    *lead, s, hq, d = x.shape
+    return x.reshape(*lead, s, heads_kv, hq // heads_kv, d).sum(axis=-2)
 
 
-# ----------------------------------------------------------------------------- oracle
-
-def _scores_f64(q, k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                left=None, right=None, bias=None, mask=None):
-    """Scores (b, hq, sq, sk) in float64, the allowed mask, and tanh(raw/softcap) or None."""
-    q, k = _f64(q), _expand_kv(_f64(k), q.shape[2])
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
+def _scores(xp, q, k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+            left=None, right=None, bias=None, mask=None):
+    """Scores (..., hq, sq, sk) in the compute dtype, the allowed mask, tanh(raw/softcap) or
+    None, and the scale."""
+    q = _compute(xp, q)
+    k = _expand_kv(xp, _compute(xp, k), q.shape[-2])
+    sq, sk, d = q.shape[-3], k.shape[-3], q.shape[-1]
     scale = 1.0 / np.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = _einsum(xp, "...qhd,...khd->...hqk", q, k) * scale
     t = None
     if softcap:
-        t = np.tanh(s / softcap)
+        t = xp.tanh(s / softcap)
         s = softcap * t
     if bias is not None:
-        s = s + np.broadcast_to(_f64(bias), s.shape)
+        s = s + _compute(xp, bias)
     lo, hi = resolve_band(causal=causal, window_size=window_size, left=left, right=right)
-    allowed = np.broadcast_to(band_mask(sq, sk, lo, hi), s.shape)
+    allowed = xp.asarray(band_mask(sq, sk, lo, hi))
     if mask is not None:
-        allowed = allowed & np.broadcast_to(np.asarray(mask, bool), s.shape)
-    return s, allowed, t, scale
+        allowed = allowed & xp.asarray(mask, bool)
+    return s, xp.broadcast_to(allowed, s.shape), t, scale
+
+
+def _probabilities(xp, s, allowed):
+    """Softmax over the allowed keys and the LSE; rows that see no key: p 0, lse -inf."""
+    s = xp.where(allowed, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, 0.0)
+    if xp is not np:
+        m = jax.lax.stop_gradient(m)  # softmax is shift invariant
+    p = xp.where(allowed, xp.exp(s - m), 0.0)
+    l = p.sum(axis=-1, keepdims=True)
+    l_safe = xp.where(l > 0, l, 1.0)
+    lse = xp.where(l[..., 0] > 0, m[..., 0] + xp.log(l_safe[..., 0]), -np.inf)
+    return p / l_safe, lse
+
+
+def _reference(xp, q, k, v, **opts):
+    s, allowed, _, _ = _scores(xp, q, k, **opts)
+    p, lse = _probabilities(xp, s, allowed)
+    out = _einsum(xp, "...hqk,...khd->...qhd", p, _expand_kv(xp, _compute(xp, v), q.shape[-2]))
+    return out, lse
 
 
 def reference_f64(q, k, v, **opts):
-    """Dense attention in numpy float64: (out (b, sq, hq, d), lse (b, hq, sq)).
+    """Dense attention in numpy float64: (out (..., sq, hq, d), lse (..., hq, sq)).
 
     opts: softmax_scale, causal, window_size, softcap, left, right (override the band),
-    bias and mask (broadcastable to (b, hq, sq, sk), added/applied after softcap).
+    bias and mask (broadcastable to (..., hq, sq, sk), added/applied after softcap).
     Fully masked rows give out 0 and lse -inf."""
-    s, allowed, _, _ = _scores_f64(q, k, **opts)
-    v = _expand_kv(_f64(v), s.shape[1])
-    s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.where(allowed, np.exp(s - m_safe), 0.0)
-    l = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("bhqk,bkhd->bqhd", p / np.where(l > 0, l, 1.0), v)
-    with np.errstate(divide="ignore"):
-        lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
-    return out, lse
+    return _reference(np, q, k, v, **opts)
+
+
+def reference_jax(q, k, v, **opts):
+    """`reference_f64` in JAX: float32 at Precision.HIGHEST (float64 for float64 inputs under
+    x64), jittable and differentiable; for long sequences and gradients through weights."""
+    return _reference(jnp, q, k, v, **opts)
+
+
+def reference_grads_jax(q, k, v, dout, **opts):
+    """(out, lse, dq, dk, dv) of `reference_jax`, the gradients by autodiff, on the default
+    device (the backward oracle for sequences too long for numpy)."""
+    (out, lse), vjp = jax.vjp(lambda q, k, v: reference_jax(q, k, v, **opts),
+                              *(_compute(jnp, x) for x in (q, k, v)))
+    return (out, lse) + vjp((_compute(jnp, dout), jnp.zeros_like(lse)))
 
 
 def reference_grads_f64(q, k, v, dout, dlse=None, **opts):
     """Exact float64 gradients (dq, dk, dv) of `reference_f64` for the output cotangent
-    `dout` (and optionally an LSE cotangent `dlse` (b, hq, sq))."""
-    s, allowed, t, scale = _scores_f64(q, k, **opts)
-    hq, hkv = q.shape[2], k.shape[2]
-    q64, k64, v64 = _f64(q), _expand_kv(_f64(k), hq), _expand_kv(_f64(v), hq)
-    do = _f64(dout)
-    s = np.where(allowed, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = np.where(np.isfinite(m), m, 0.0)
-    p = np.where(allowed, np.exp(s - m_safe), 0.0)
-    l = p.sum(axis=-1, keepdims=True)
-    p = p / np.where(l > 0, l, 1.0)  # normalised probabilities
-    out = np.einsum("bhqk,bkhd->bqhd", p, v64)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = np.einsum("bqhd,bkhd->bhqk", do, v64)
-    delta = np.einsum("bqhd,bqhd->bhq", do, out)[..., None]
-    g = dp - delta
+    `dout` (and optionally an LSE cotangent `dlse` (..., hq, sq))."""
+    s, allowed, t, scale = _scores(np, q, k, **opts)
+    hq, hkv = q.shape[-2], k.shape[-2]
+    q64, k64 = _f64(q), _expand_kv(np, _f64(k), hq)
+    v64, do = _expand_kv(np, _f64(v), hq), _f64(dout)
+    p, _ = _probabilities(np, s, allowed)
+    out = np.einsum("...hqk,...khd->...qhd", p, v64)
+    dv = np.einsum("...hqk,...qhd->...khd", p, do)
+    dp = np.einsum("...qhd,...khd->...hqk", do, v64)
+    g = dp - np.einsum("...qhd,...qhd->...hq", do, out)[..., None]
     if dlse is not None:
         g = g + _f64(dlse)[..., None]
     ds = p * g
     if t is not None:
         ds = ds * (1.0 - t * t)
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, k64) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q64) * scale
+    dq = np.einsum("...hqk,...khd->...qhd", ds, k64) * scale
+    dk = np.einsum("...hqk,...qhd->...khd", ds, q64) * scale
     return dq, _sum_groups(dk, hkv), _sum_groups(dv, hkv)
 
 

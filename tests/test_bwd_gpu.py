@@ -2,10 +2,11 @@
 
 The kernel is reached through jax_fa3._ops.bwd (the FFI call, masks as normalised bands) with
 out/lse of the float64 oracle, so these tests check the backward alone. Every gradient uses the
-error-ratio rule of DESIGN.md (tests/helpers.py): max error against the exact gradient at most
-2x that of the same gradient computed plainly by XLA in the input dtype, plus one ulp of slack.
-Oracle: float64 numpy for small shapes; for long sequences (where numpy is too slow) float32
-on the GPU with Precision.HIGHEST, whose error is negligible next to bf16/fp16 rounding.
+error-ratio rule of docs/architecture.md (tests/helpers.py): max error against the exact
+gradient at most 2x that of the same gradient computed plainly by XLA in the input dtype, plus
+one ulp of slack. Oracle (tests/helpers.py): its float64 numpy form for small shapes; for long
+sequences (where numpy is too slow) its JAX form, float32 on the GPU with Precision.HIGHEST,
+whose error is negligible next to bf16/fp16 rounding.
 
 XLA allocates the outputs; before each kernel call a NaN-filled buffer of the outputs' size is
 allocated and freed so that unwritten elements would likely surface as NaN.
@@ -58,34 +59,6 @@ def _baseline(q, k, v, dout, opts):
     return jax.device_get(f(q, k, v, dout))
 
 
-def _ref_f32(q, k, v, dout, left, right, softcap, scale):
-    """Exact-enough (out, lse, dq, dk, dv) in float32 on the device (long sequences)."""
-    hi = jax.lax.Precision.HIGHEST
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    allowed = jnp.asarray(helpers.band_mask(sq, sk, left, right))
-
-    def attn(q, k, v):
-        kk = jnp.repeat(k, hq // hkv, axis=2)
-        vv = jnp.repeat(v, hq // hkv, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, kk, precision=hi) * scale
-        if softcap:
-            s = softcap * jnp.tanh(s / softcap)
-        s = jnp.where(allowed, s, -jnp.inf)
-        m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        p = jnp.where(allowed, jnp.exp(s - m), 0.0)
-        l = p.sum(-1, keepdims=True)
-        lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)[..., 0]), -jnp.inf)
-        o = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l > 0, l, 1.0), vv, precision=hi)
-        return o, lse
-
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    (o, lse), vjp = jax.vjp(attn, f32(q), f32(k), f32(v))
-    dq, dk, dv = vjp((f32(dout), jnp.zeros_like(lse)))
-    return jax.device_get((o, lse, dq, dk, dv))
-
-
 def _check(b, sq, sk, hq, hkv, d, dtype, left=UNB, right=UNB, softcap=0.0, scale=None,
            logit_scale=1.0, oracle="f64"):
     _need(dtype, d)
@@ -97,7 +70,7 @@ def _check(b, sq, sk, hq, hkv, d, dtype, left=UNB, right=UNB, softcap=0.0, scale
         out64, lse64 = helpers.reference_f64(q, k, v, **opts)
         ref = helpers.reference_grads_f64(q, k, v, dout, **opts)
     else:
-        out64, lse64, *ref = _ref_f32(q, k, v, dout, left, right, softcap, scale)
+        out64, lse64, *ref = jax.device_get(helpers.reference_grads_jax(q, k, v, dout, **opts))
     out = jnp.asarray(np.asarray(out64, np.float32)).astype(dtype)
     lse = jnp.asarray(np.asarray(lse64, np.float32))
     dq, dk, dv = _kernel_bwd(q, k, v, out, lse, dout, left, right, softcap, scale)

@@ -1,6 +1,6 @@
 """GPU tests of the Hopper forward kernel (cpp/kernels/fwd) against the float64 oracle.
 
-Every check uses the error-ratio rule of DESIGN.md (tests/helpers.py): the kernel's max error
+Every check uses the error-ratio rule of docs/architecture.md (tests/helpers.py): the kernel's max error
 against float64 must be at most 2x that of plain attention computed in the input dtype, plus
 one ulp of slack; LSE likewise (fp32 in both). Fully masked rows must give out == 0 exactly and
 lse == -inf. XLA allocates the outputs, so "poisoned outputs" is checked as: no NaN/Inf

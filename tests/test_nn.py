@@ -1,8 +1,8 @@
 """jax_fa3.nn: Flax NNX/Linen and Equinox attention modules and the Flax attention_fn adapter.
 
 Each module is checked against a plain computation with the same weights (Flax's and
-Equinox's own attention modules where they can express the configuration, a dense float32
-reference otherwise), forward and gradients; under jit/grad/vmap; and through a state
+Equinox's own attention modules where they can express the configuration, the oracle of
+tests/helpers.py in float32 otherwise), forward and gradients; under jit/grad/vmap; and through a state
 round trip. Shapes are small: these tests check wiring, the kernels have their own tests.
 """
 
@@ -82,19 +82,6 @@ def nnx_out_and_grad(module, call, dy):
 # ------------------------------------------------------------------ plain reference computation
 
 
-def ref_attention(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0):
-    """Dense attention, float32 at HIGHEST precision, bottom-right aligned band mask."""
-    hq, sq, sk = q.shape[-2], q.shape[-3], k.shape[-3]
-    k = jnp.repeat(k, hq // k.shape[-2], axis=-2)
-    v = jnp.repeat(v, hq // v.shape[-2], axis=-2)
-    s = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST) / np.sqrt(q.shape[-1])
-    if softcap:
-        s = softcap * jnp.tanh(s / softcap)
-    lo, hi = helpers.resolve_band(sq, sk, causal=causal, window_size=window_size)
-    s = jnp.where(helpers.band_mask(sq, sk, lo, hi), s, -jnp.inf)
-    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(s, -1), v, precision=HIGHEST)
-
-
 def ref_mha(p, xq, xkv, *, rope=False, q_pos=None, k_pos=None, **opts):
     """Multi-head attention from a Flax-layout params dict {query,key,value,out: {kernel,bias}}."""
 
@@ -105,7 +92,7 @@ def ref_mha(p, xq, xkv, *, rope=False, q_pos=None, k_pos=None, **opts):
     q, k, v = proj("query", xq), proj("key", xkv), proj("value", xkv)
     if rope:
         q, k = apply_rope(q, q_pos), apply_rope(k, k_pos)
-    o = ref_attention(q, k, v, **opts)
+    o = helpers.reference_jax(q, k, v, **opts)[0]
     y = jnp.einsum("...hd,hdf->...f", o, p["out"]["kernel"], precision=HIGHEST)
     return y + p["out"]["bias"] if "bias" in p["out"] else y
 

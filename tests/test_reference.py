@@ -1,6 +1,7 @@
-"""The oracles themselves: the JAX dense reference (jax_fa3/reference.py) against the numpy
-float64 oracle of tests/helpers.py, the numpy gradients against JAX autodiff in float64, and
-both against jax.nn.dot_product_attention where their semantics coincide."""
+"""The oracle itself (tests/helpers.py, one dense reference over numpy or jax.numpy): its JAX
+form in float64 against its numpy form, the numpy gradients against JAX autodiff in float64,
+the float32 form against float64, and the oracle against jax.nn.dot_product_attention where
+their semantics coincide."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 
 from helpers import (plain_in_dtype, random_like, random_qkv, reference_f64,
-                     reference_grads_f64, resolve_band)
-from jax_fa3 import _masks, reference
+                     reference_grads_f64, reference_grads_jax, reference_jax, resolve_band)
+from jax_fa3 import _masks
 
 OPTIONS = [
     {},
@@ -24,9 +25,9 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
-def test_jax_reference_float64_matches_numpy(x64, opts):
+def test_jax_form_float64_matches_numpy(x64, opts):
     q, k, v = random_qkv(0, 2, 19, 33, 4, 2, 16, jnp.float64)
-    out, lse = reference.attention(q, k, v, **opts)
+    out, lse = reference_jax(q, k, v, **opts)
     assert out.dtype == jnp.float64
     ref_out, ref_lse = reference_f64(q, k, v, **opts)
     np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
@@ -42,7 +43,7 @@ def test_numpy_gradients_match_autodiff_float64(x64, opts):
     dlse = jnp.asarray(np.random.default_rng(3).standard_normal((1, 4, 23)))
 
     def loss(q, k, v):
-        out, lse = reference.attention(q, k, v, **opts)
+        out, lse = reference_jax(q, k, v, **opts)
         return (out * dout).sum() + jnp.where(jnp.isfinite(lse), lse * dlse, 0).sum()
 
     want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -52,11 +53,30 @@ def test_numpy_gradients_match_autodiff_float64(x64, opts):
 
 
 def test_float32_highest_is_close_to_float64():
+    """The JAX form in float32 (the long-sequence oracle of the GPU tests) is within float32
+    rounding of float64, forward and gradients."""
     q, k, v = random_qkv(4, 2, 64, 64, 2, 2, 64, jnp.float32, scale=4.0)
-    out, lse = jax.jit(lambda q, k, v: reference.attention(q, k, v, causal=True))(q, k, v)
+    out, lse = jax.jit(lambda q, k, v: reference_jax(q, k, v, causal=True))(q, k, v)
     ref_out, ref_lse = reference_f64(q, k, v, causal=True)
     np.testing.assert_allclose(out, ref_out, atol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+    dout = random_like(10, q)
+    *_, dq, dk, dv = jax.jit(lambda *a: reference_grads_jax(*a, causal=True))(q, k, v, dout)
+    for got, want in zip((dq, dk, dv), reference_grads_f64(q, k, v, dout, causal=True)):
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_leading_axes_are_batch_axes():
+    """(seqlen, heads, head_dim) and (a, b, seqlen, heads, head_dim) work like batch 1 and a*b
+    (the module tests call the oracle on unbatched and vmapped shapes)."""
+    q, k, v = random_qkv(11, 6, 9, 12, 4, 2, 8, jnp.float32)
+    want_out, want_lse = reference_f64(q, k, v, causal=True)
+    out, lse = reference_f64(q[0], k[0], v[0], causal=True)
+    np.testing.assert_allclose(out, want_out[0]), np.testing.assert_allclose(lse, want_lse[0])
+    split = lambda x: x.reshape(2, 3, *x.shape[1:])
+    out, lse = reference_jax(split(q), split(k), split(v), causal=True)
+    np.testing.assert_allclose(out, split(want_out), atol=2e-6)
+    np.testing.assert_allclose(lse, split(want_lse), atol=2e-6)
 
 
 def test_bias_and_mask(x64):
@@ -65,7 +85,7 @@ def test_bias_and_mask(x64):
     bias = rng.standard_normal((2, 1, 8, 12))
     mask = rng.random((1, 2, 8, 12)) < 0.7
     mask[0, 1, 2] = False
-    out, lse = reference.attention(q, k, v, bias=jnp.asarray(bias), mask=jnp.asarray(mask))
+    out, lse = reference_jax(q, k, v, bias=jnp.asarray(bias), mask=jnp.asarray(mask))
     ref_out, ref_lse = reference_f64(q, k, v, bias=bias, mask=mask)
     np.testing.assert_allclose(out, ref_out, atol=1e-12)
     assert np.isneginf(np.asarray(lse)[:, 1, 2]).all() and (np.asarray(out)[:, 2, 1] == 0).all()

@@ -149,7 +149,7 @@ CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, opti
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_matches_oracle(name):
     """Ring (and all-gather) attention on a (seq) mesh vs the float64 oracle: out, lse, dq,
-    dk, dv by the error-ratio rule of DESIGN.md, with bf16 inputs and large logits."""
+    dk, dv by the error-ratio rule of docs/architecture.md, with bf16 inputs and large logits."""
     n, layout, strategy, sq, sk, hq, hkv, opts = CASES[name]
     b, d = 2, 16
     mesh = _mesh((n,), ("sp",))
