@@ -48,10 +48,17 @@ def flash_options(q, *, softmax_scale, causal, window_size, softcap, determinist
     _validate.check_implementation(implementation)
     left, right = _masks.band(_validate.check_bool("causal", causal),
                               _validate.check_window(window_size))
-    return Options(softmax_scale=_validate.check_softmax_scale(softmax_scale, q.shape[-1]),
-                   softcap=_validate.check_softcap(softcap), left=left, right=right,
-                   deterministic=_validate.check_bool("deterministic", deterministic),
-                   implementation=resolve_implementation(implementation, q))
+    scale = _validate.check_softmax_scale(softmax_scale, q.shape[-1])
+    return Options(softmax_scale=scale, softcap=_validate.check_softcap(softcap), left=left,
+                   right=right, deterministic=_validate.check_bool("deterministic", deterministic),
+                   implementation=resolve_implementation(
+                       implementation, q, unsupported=scale_reasons(scale, "softmax_scale")))
+
+
+def scale_reasons(scale: float, name: str) -> list[str]:
+    """The kernels take the scale into the exponent after masking, where a masked score times
+    a zero scale is -inf * 0 = NaN: scale 0 (uniform weights) runs on the portable path."""
+    return [f"the kernels cannot take {name}=0"] if scale == 0 else []
 
 
 # ----------------------------------------------------------------------------- availability

@@ -113,7 +113,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       * seqlen_q, seqlen_k or batch 0: an empty out (or, for seqlen_k 0, out 0 with lse
         -inf: no row sees a key), zero gradients, no kernel launch.
       * softmax_scale=0: every visible key has the same weight (out is the mean of the
-        visible values, lse the log of their number); dq and dk are 0.
+        visible values, lse the log of their number); dq and dk are 0. The kernels cannot
+        take it (a masked score times 0 is NaN there): None runs it on the portable path,
+        "cuda" raises.
       * NaN in q, k or v spreads as in jax.nn.dot_product_attention, and never leaves its
         batch row and kv head group: a NaN in q row i makes out row i NaN; a NaN in k at key
         j makes NaN the rows that see key j; a NaN in v at key j makes NaN at least the rows

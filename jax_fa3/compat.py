@@ -132,6 +132,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
     unsupported = [f"the kernels cannot take {name}" for name, x in (
         ("bias", bias), ("mask", mask), ("key_value_seq_lengths", kv_lengths)) if x is not None]
+    unsupported += _core.scale_reasons(sm_scale, "scale")
     impl = _core.resolve_implementation(implementation, q, unsupported=unsupported)
     if bias is not None or mask is not None:
         out, lse = portable.dense(q, k, v, softmax_scale=sm_scale, left=left, right=right,
