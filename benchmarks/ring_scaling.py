@@ -15,7 +15,7 @@ Correctness, at every N >= 2 and strategy
     |difference| of out and lse (and dq, dk, dv with the backward), relative to the largest;
   * both against a float32 dense oracle on --oracle-rows sampled query rows (all keys), so a
     shared error cannot hide: the sharded error must be at most 2x the single GPU's plus one
-    ulp (the error-ratio rule of DESIGN.md with the single-GPU kernel as baseline).
+    ulp (the error-ratio rule of docs/architecture.md with the single-GPU kernel as baseline).
 
 Scaling (FLOPs: forward 4 * batch * heads * unmasked pairs * head_dim, backward 2.5x)
   * one GPU at seq-per-gpu (N = 1, the baseline), each strategy at N x seq-per-gpu on N GPUs,
