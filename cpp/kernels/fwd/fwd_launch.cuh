@@ -1,5 +1,7 @@
-// Host side of the forward kernel: the tile table, TMA descriptors, the persistent grid, launch.
-// Each generated instantiation file includes this and instantiates run_fwd_impl<Element, d>.
+// Host side of the forward kernel: the tile table per head dim and the choice of tile per
+// problem (run_fwd_impl), the kernel Params (TMA descriptors, mask, scheduler), the grid and the
+// launch. Each generated instantiation file (cpp/instantiations/fwd.cu.in) includes this and
+// instantiates run_fwd_impl<Element, d> and fwd_workspace_bytes_impl<Element, d>.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -53,7 +55,7 @@ struct FwdTileTable<E, 64> {
 // persistent producer runs into the next tile (see d = 64).
 template <typename E>
 struct FwdTileTable<E, 96> {
-  using full = FwdTraits<E, 96, 128, 128, 3, true>;
+  using full = FwdTraits<E, 96, 128, 128, 3, true, true>;
   using banded = full;
 };
 // d = 128: unmasked 128 x 176 (FA3's choice: fewer, wider blocks; 32 + 2 x 2 x 44 = 208 KB of
@@ -94,7 +96,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
   using narrow = typename FwdTileTableLarge<E, 256, 64>::full;
 };
 
-// Banded problems on a persistent grid with a dynamic tile counter (FwdTraits::Params::
+// Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
 // tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
 // result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
 // longest-first order, without a CTA start and a cold Q load per tile, and with the next
@@ -126,7 +128,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(fp.out)), q_shape, q_stride);
 
   bool varying = band_limits_work(fp.shape, fp.opts);
-  StaticTileScheduler sched;
+  TileScheduler sched;
   sched.num_m_blocks = (s.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   sched.num_heads = s.heads_q;
   sched.num_batch = s.batch;
@@ -135,6 +137,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   int64_t kv_bytes = 2 * int64_t(s.seqlen_k) * d * int64_t(sizeof(Element));
   int64_t heads = std::max<int64_t>(1, (int64_t(32) << 20) / std::max<int64_t>(kv_bytes, 1));
   sched.heads_per_section = int(std::min<int64_t>(heads, int64_t(s.heads_q) * s.batch));
+  sched.tile_counter = T::kDynamicSchedule && fwd_uses_dynamic_schedule(fp) ? static_cast<int*>(fp.workspace) : nullptr;
 
   typename T::Params p{
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ1{}),
@@ -152,7 +155,6 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       fp.lse,
       static_cast<Element*>(fp.out),
       sched,
-      T::kDynamicSchedule && fwd_uses_dynamic_schedule(fp) ? static_cast<int*>(fp.workspace) : nullptr,
   };
   return p;
 }
@@ -162,14 +164,12 @@ cudaError_t launch_fwd(const FwdParams& fp, cudaStream_t stream) {
   typename T::Params p = make_fwd_params<T>(fp);
   int num_tiles = p.sched.num_tiles();
   int num_sms = fp.num_sms > 0 ? fp.num_sms : 132;
-  // Equal tiles: a persistent grid (one CTA per SM walks the tiles). Unequal tiles (band): one
-  // CTA per tile, in longest-first order, so that the hardware hands the next tile to whichever
-  // SM frees up first: a greedy longest-first schedule within 1% of ideal in simulation, where
-  // a static round-robin was 6-50% off (cpp/kernels/NOTES.md).
-  // With a dynamic counter the grid is persistent for banded problems too.
-  int grid = p.sched.longest_first && p.tile_counter == nullptr ? num_tiles : std::min(num_tiles, num_sms);
-  if (p.tile_counter != nullptr) {
-    if (cudaError_t e = cudaMemsetAsync(p.tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
+  // Unbanded (equal tiles) or with the dynamic counter: a persistent grid, one CTA per SM.
+  // Banded without it (kernels without the dynamic code): one CTA per tile, so that the hardware
+  // hands the next tile, in longest-first order, to whichever SM frees up first.
+  int grid = p.sched.longest_first && p.sched.tile_counter == nullptr ? num_tiles : std::min(num_tiles, num_sms);
+  if (p.sched.tile_counter != nullptr) {
+    if (cudaError_t e = cudaMemsetAsync(p.sched.tile_counter, 0, sizeof(int), stream); e != cudaSuccess) return e;
   }
   auto kernel = fwd_kernel<T>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);

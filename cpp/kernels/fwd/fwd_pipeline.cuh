@@ -1,0 +1,258 @@
+// The forward kernel's synchronisation, all of it: the K/V rings, the hand-off of each tile's
+// Q between the producer and the consumer warpgroups, and the named barriers of the ping-pong.
+//   * K and V: two cutlass::PipelineTmaAsync rings of kStages blocks (full: the TMA landed;
+//     empty: every consumer thread is done with the stage). K apart from V, so that a block's
+//     Q K^T can start before its V has landed. Blocks are produced in lockstep (block j sits in
+//     stage j % kStages of both), so a consumer's one read state serves both rings.
+//   * Q: one buffer (q_full / q_empty and the tile slot ss.tile), or two used by alternate tiles
+//     (kQPrefetch: qb.full[b] / qb.empty[b] and the published tile qb.info[b]), so that the next
+//     tile's Q loads a tile ahead. full completes when the buffer holds the tile (TMA landed, or
+//     a plain arrival for a tile without keys or the end marker); empty when every consumer
+//     thread is past its tile's last Q K^T (one arrival per thread).
+//   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (FwdPingPong).
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common/scheduler.cuh"
+#include "common/utils.cuh"
+
+namespace fa3 {
+
+// Named barrier ids (NamedBarrier adds CUTLASS's reserved ids below them).
+constexpr int kFwdBarPingPong = 3;  // + consumer warpgroup, < 3 warpgroups
+
+template <int kStages>
+using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
+
+// Parameters of the K and V rings: warpgroup 0 produces, the others consume; every thread
+// constructs the rings, and thread 0 initialises their barriers.
+template <class T>
+CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group) {
+  typename T::Pipeline::Params pp;
+  pp.transaction_bytes = T::kBlockN * T::kHeadDim * int(sizeof(typename T::Element));
+  pp.role = warp_group == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = T::kNumMmaThreads;
+  return pp;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q hand-off. Shared memory of the two-buffer form (the one-buffer form is three fields of
+// FwdTraits::SharedStorage).
+struct alignas(16) FwdTileInfo {  // what the producer publishes per tile (t >= num_tiles: end)
+  int t, m_block, head, batch;
+  int n_begin, n_end, pad0, pad1;
+};
+struct FwdQBuffers {
+  alignas(16) uint64_t full[2];
+  alignas(16) uint64_t empty[2];
+  FwdTileInfo info[2];
+};
+struct FwdNoQBuffers {};
+
+// One tile of the schedule: its coordinates, query rows [row_lo, row_hi] (row_hi < seqlen_q),
+// the key blocks [n_begin, n_end) that intersect the band, its Q buffer.
+struct FwdTile {
+  TileCoord c;
+  int row_lo, row_hi;
+  int n_end, n_begin;
+  int buf;
+};
+
+// Tile t decoded: coordinates, rows, key blocks (buffer 0).
+template <class T>
+CUTE_DEVICE FwdTile fwd_tile(typename T::Params const& p, int t) {
+  FwdTile tile;
+  tile.c = p.sched.decode(t);
+  tile.row_lo = tile.c.m_block * T::kBlockM;
+  tile.row_hi = min(tile.row_lo + T::kBlockM, p.seqlen_q) - 1;
+  p.mask.key_block_range(tile.row_lo, tile.row_hi, T::kBlockN, tile.n_begin, tile.n_end);
+  tile.buf = 0;
+  return tile;
+}
+
+template <class T>
+CUTE_DEVICE void fwd_q_barriers_init(typename T::SharedStorage& ss) {
+  using ClusterBarrier = cutlass::arch::ClusterBarrier;
+  cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+  ClusterBarrier::init(&ss.q_empty, T::kNumMmaThreads);
+  if constexpr (T::kQPrefetch) {
+    for (int b = 0; b < 2; ++b) {
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);
+      ClusterBarrier::init(&ss.qb.empty[b], T::kNumMmaThreads);
+    }
+  }
+}
+
+// Producer side: acquire() waits until the buffer of this tile is free and returns it;
+// publish() writes the tile where the consumers read it; full(b) is the barrier whose phase the
+// Q load (or a plain arrival) completes; advance() moves on to the next tile.
+template <class T, bool kTwoBuffers = T::kQPrefetch>
+struct FwdQProducer;
+
+// One buffer: acquire waits for the previous tile's q_empty. The consumers decode the tile
+// themselves; the slot carries it only under the dynamic schedule, where they cannot know it.
+// The producer completes a q_full phase for every tile (a plain arrival when it has no keys), so
+// the consumers never run more than one tile ahead of it (the q_empty parity waits rely on it).
+template <class T>
+struct FwdQProducer<T, false> {
+  typename T::SharedStorage& ss;
+  int empty_phase = 0;
+  bool first = true;
+
+  CUTE_DEVICE int acquire() {
+    if (!first) {
+      cutlass::arch::ClusterBarrier::wait(&ss.q_empty, empty_phase);
+      empty_phase ^= 1;
+    }
+    first = false;
+    return 0;
+  }
+  CUTE_DEVICE void advance() {}
+  // Every consumer thread has read the previous slot (at its tile start, before q_empty).
+  CUTE_DEVICE void publish(int, bool dynamic, int t, TileCoord, int, int) {
+    if (dynamic) ss.tile = t;
+  }
+  CUTE_DEVICE uint64_t& full(int) { return ss.q_full; }
+  // Static schedule: the consumers stop by themselves after their last tile. Dynamic: one more
+  // q_full phase with an end marker, once the consumers are past their last tile's start.
+  CUTE_DEVICE void finish(bool dynamic, int num_tiles) {
+    if (dynamic && !first) {
+      cutlass::arch::ClusterBarrier::wait(&ss.q_empty, empty_phase);
+      ss.tile = num_tiles;
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_full);
+    }
+  }
+};
+
+// Two buffers: tile i of this CTA uses buffer b = i % 2; acquire waits until tile i - 2 has
+// released it (completion (i - 2) / 2 of empty[b]; none for i < 2). That wait returns at once
+// in the steady state (tile i - 2 released it after its last Q K^T, before tile i - 1
+// started), so the next tile's Q is issued as soon as this tile's K / V loads are, about a
+// tile before it is needed. Consumers arrive on empty[b] only after full[b] of that tile, so the
+// barrier is never more than one completion ahead of the wait. The producer publishes the
+// decoded tile and its key range, and every schedule ends with an end marker, so the consumers
+// always read the tile from info[b].
+template <class T>
+struct FwdQProducer<T, true> {
+  typename T::SharedStorage& ss;
+  int i = 0;  // tiles of this CTA so far
+
+  CUTE_DEVICE int acquire() {
+    if (i >= 2) cutlass::arch::ClusterBarrier::wait(&ss.qb.empty[i & 1], ((i >> 1) + 1) & 1);
+    return i & 1;
+  }
+  CUTE_DEVICE void advance() { ++i; }
+  CUTE_DEVICE void publish(int b, bool, int t, TileCoord c, int n_begin, int n_end) {
+    FwdTileInfo& info = ss.qb.info[b];
+    info.t = t;
+    info.m_block = c.m_block;
+    info.head = c.head;
+    info.batch = c.batch;
+    info.n_begin = n_begin;
+    info.n_end = n_end;
+  }
+  CUTE_DEVICE uint64_t& full(int b) { return ss.qb.full[b]; }
+  // Every schedule ends with an end marker in the next buffer.
+  CUTE_DEVICE void finish(bool, int num_tiles) {
+    int const b = acquire();
+    ss.qb.info[b].t = num_tiles;
+    cutlass::arch::ClusterBarrier::arrive(&ss.qb.full[b]);
+  }
+};
+
+// Consumer side: next_tile() waits for the next tile's Q (false: no tile left); release() hands
+// the buffer back after this thread's last read of it and of the tile slot, so the producer's
+// next write to either follows every read by a direct release/acquire pair.
+template <class T, bool kTwoBuffers = T::kQPrefetch>
+struct FwdQConsumer;
+
+template <class T>
+struct FwdQConsumer<T, false> {
+  typename T::SharedStorage& ss;
+  int full_phase = 0;
+
+  // t: the static schedule's tile (advanced by the caller, which also stops at num_tiles),
+  // replaced by the published one under the dynamic schedule (>= num_tiles: the end marker).
+  // The caller decodes the tile (fwd_tile).
+  CUTE_DEVICE bool next_tile(typename T::Params const&, bool dynamic, int num_tiles, int& t, FwdTile&) {
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full, full_phase);
+    full_phase ^= 1;
+    if (dynamic) {
+      t = ss.tile;
+      if (t >= num_tiles) return false;
+    }
+    return true;
+  }
+  CUTE_DEVICE void release(FwdTile const&) { cutlass::arch::ClusterBarrier::arrive(&ss.q_empty); }
+};
+
+template <class T>
+struct FwdQConsumer<T, true> {
+  typename T::SharedStorage& ss;
+  int i = 0;  // tiles of this CTA so far (tile i uses buffer i % 2)
+
+  CUTE_DEVICE bool next_tile(typename T::Params const& p, bool, int num_tiles, int& t, FwdTile& tile) {
+    // Through a shuffle so that ptxas knows the buffer is warp-uniform (as
+    // canonical_warp_group_idx does): without it the info / barrier addresses were vector
+    // registers and ptxas moved the consumers' descriptor and barrier arithmetic off the uniform
+    // datapath (+32 R2UR and 5 WARPSYNC per main-loop block).
+    int const b = __shfl_sync(0xffffffffu, i & 1, 0);
+    cutlass::arch::ClusterBarrier::wait(&ss.qb.full[b], (i >> 1) & 1);
+    ++i;
+    // The producer rewrites info[b] only after every consumer thread's empty[b] arrival of this
+    // tile, which comes after these reads.
+    int4 const i0 = *reinterpret_cast<int4 const*>(&ss.qb.info[b].t);
+    int2 const i1 = *reinterpret_cast<int2 const*>(&ss.qb.info[b].n_begin);
+    t = i0.x;
+    if (t >= num_tiles) return false;
+    tile.c.m_block = i0.y;
+    tile.c.head = i0.z;
+    tile.c.batch = i0.w;
+    tile.n_begin = i1.x;
+    tile.n_end = i1.y;
+    tile.row_lo = tile.c.m_block * T::kBlockM;
+    tile.row_hi = min(tile.row_lo + T::kBlockM, p.seqlen_q) - 1;
+    tile.buf = b;
+    return true;
+  }
+  CUTE_DEVICE void release(FwdTile const& tile) { cutlass::arch::ClusterBarrier::arrive(&ss.qb.empty[tile.buf]); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Ping-pong (kEnabled; round robin with three consumer warpgroups): warpgroup wg may issue its
+// GEMMs once the previous one, (wg - 1) mod kNumMmaWG, has issued its own; it then hands the
+// turn to (wg + 1) mod kNumMmaWG. Barrier kFwdBarPingPong + w is synced by warpgroup w and
+// arrived at by its predecessor (2 x 128 threads). The branches on wg keep the barrier ids
+// immediates (a register id stayed live across the main loop and was spilled).
+template <int kNumMmaWG, bool kEnabled>
+struct FwdPingPong {
+  int wg;
+
+  // Warpgroup 0 issues first: give it the turn that the last warpgroup would otherwise hand over.
+  CUTE_DEVICE void start() const {
+    if constexpr (kEnabled) {
+      if (wg == kNumMmaWG - 1) cutlass::arch::NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 0);
+    }
+  }
+  CUTE_DEVICE void wait() const {
+    using cutlass::arch::NamedBarrier;
+    if constexpr (kEnabled) {
+      if (wg == 0) NamedBarrier::sync(2 * 128, kFwdBarPingPong + 0);
+      else if (kNumMmaWG == 2 || wg == 1) NamedBarrier::sync(2 * 128, kFwdBarPingPong + 1);
+      else NamedBarrier::sync(2 * 128, kFwdBarPingPong + 2);
+    }
+  }
+  CUTE_DEVICE void signal() const {
+    using cutlass::arch::NamedBarrier;
+    if constexpr (kEnabled) {
+      if (wg == 0) NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 1);
+      else if (kNumMmaWG == 3 && wg == 1) NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 2);
+      else NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 0);
+    }
+  }
+};
+
+}  // namespace fa3

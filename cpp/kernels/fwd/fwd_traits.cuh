@@ -1,0 +1,119 @@
+// FwdTraits: everything the forward kernel derives at compile time from its tile (element, head
+// dim, kBlockM x kBlockN, kStages, ping-pong, banded): warpgroups and register budgets, which
+// optional machinery it carries (dynamic schedule, double-buffered Q), the WGMMA types, the
+// shared-memory layouts and SharedStorage, the TMA types and the kernel Params.
+// The tile table that picks the tiles is in fwd_launch.cuh.
+#pragma once
+
+#include "common/mask.cuh"
+#include "common/scheduler.cuh"
+#include "common/softmax.cuh"
+#include "common/utils.cuh"
+#include "fwd/fwd_pipeline.cuh"
+
+namespace fa3 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kPingPong_,
+          bool kBanded_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  // The consumer warpgroups take turns to issue their GEMMs (fwd_pipeline.cuh, FwdPingPong).
+  static constexpr bool kPingPong = kPingPong_;
+  // false: the caller guarantees the band does not cut into the key range (both sides reach
+  // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
+  static constexpr bool kBanded = kBanded_;
+  static constexpr int kNumMmaWG = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWG * 128;
+  static constexpr int kNumThreads = kNumMmaThreads + 128;
+  // setmaxnreg budgets: 65536 registers / SM at one CTA per SM.
+  //   2 consumers: 128 * 24 + 256 * 240 = 64512 (the pool of 384 threads x 168 registers);
+  //   3 consumers: 128 * 32 + 384 * 160 = 65536.
+  // Banded kernels with 2 consumers carry the dynamic tile schedule (common/scheduler.cuh),
+  // whose producer code spilled at 24 registers: 128 * 40 + 256 * 232 = 64512 as well (the
+  // consumers peak at R223). The 3-consumer banded tile runs one CTA per tile instead.
+  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
+  static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
+  // Two Q buffers used by alternate tiles (fwd_pipeline.cuh, FwdQProducer), where a second Q
+  // tile fits in shared memory (d = 64 banded and d = 96; not the 224 KB hd128 banded or 208 KB
+  // hd128 unbanded tiles) and with two consumer warpgroups (the 3-warpgroup tiles spilled 20-28
+  // bytes at 160 registers). The producer loads the next tile's Q about a tile ahead, and
+  // publishes the decoded tile and key range, so the consumers' tile start is a shared-memory
+  // load instead of three integer divisions and the 64-bit key-range arithmetic (H200: hd64
+  // causal +12.8% at 512, +6.8% at 1k, +2.2% at 2k, level from 4k).
+  static constexpr int kQTileBytes = kBlockM * kHeadDim * int(sizeof(Element));
+  static constexpr int kKVRingBytes = 2 * kStages * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr bool kQPrefetch = kNumMmaWG == 2 && 2 * kQTileBytes + kKVRingBytes + 1024 <= 227 * 1024;
+  static constexpr int kQBufs = kQPrefetch ? 2 : 1;
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256);
+
+  using D = Int<kHeadDim>;
+  using BN = Int<kBlockN>;
+
+  // Per consumer warpgroup: S (64 x kBlockN) = Q (64 x d) K^T, both K-major in smem;
+  // O (64 x d) += P (64 x kBlockN, registers) V, V read as an MN-major (d x kBlockN) view.
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, BN, D>>()));
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, D, BN>, GMMA::Major::K, GMMA::Major::MN>()));
+
+  // Q: one 64-row slab per consumer warpgroup and Q buffer (slab b * kNumMmaWG + wg).
+  using SmemAtomQ = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutQ1 = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D>{}));  // one slab
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<_64, D, Int<kNumMmaWG * kQBufs>>{}));
+  using SmemAtomK = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutK1 = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D>{}));  // one stage
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<BN, D, Int<kStages>>{}));
+  // V is stored like K ((n, d), d contiguous); the P V GEMM reads it as (d, n) with d contiguous.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<D, BN, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  using Pipeline = FwdKVPipeline<kStages>;
+  using PipelineState = typename Pipeline::PipelineState;
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
+    // One Q buffer (fwd_pipeline.cuh): TMA of the Q tile landed / the consumers are past their
+    // last Q K^T / dynamic schedule: the tile of the q_full phase (>= num_tiles: end).
+    alignas(16) uint64_t q_full;
+    alignas(16) uint64_t q_empty;
+    int tile;
+    alignas(16) typename Pipeline::SharedStorage pipe_k;
+    alignas(16) typename Pipeline::SharedStorage pipe_v;
+    // kQPrefetch: per Q buffer its barriers and the tile it holds.
+    std::conditional_t<kQPrefetch, FwdQBuffers, FwdNoQBuffers> qb;
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage));
+  static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
+
+  // Global tensors as (seqlen, d, heads, batch): the TMA box is (rows, d) of one (head, batch).
+  using GShape = Shape<int, D, int, int>;
+  using GStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GTensorIn = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}));
+  using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GShape{}, GStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutQ1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutK1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensorOut>(), SmemLayoutQ1{}));
+
+  struct Params {
+    TmaQ tma_q;
+    TmaKV tma_k;
+    TmaKV tma_v;
+    TmaO tma_o;
+    int seqlen_q, seqlen_k, heads_q, heads_kv, batch;
+    int group;  // heads_q / heads_kv
+    BandMask mask;
+    SoftmaxScale scale;
+    float* lse;    // (batch, heads_q, seqlen_q)
+    Element* out;  // (batch, seqlen_q, heads_q, d)
+    TileScheduler sched;
+  };
+};
+
+}  // namespace fa3
