@@ -29,7 +29,6 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(p.tma_o.get_tma_descriptor());
     fwd_q_barriers_init<T>(ss);
   }
   typename T::Pipeline::Params const pp = fwd_kv_pipeline_params<T>(warp_group);

@@ -125,7 +125,6 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.q)), q_shape, q_stride);
   Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.k)), k_shape, k_stride);
   Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.v)), k_shape, k_stride);
-  Tensor mO = make_tensor(make_gmem_ptr(static_cast<Element*>(fp.out)), q_shape, q_stride);
 
   bool varying = band_limits_work(fp.shape, fp.opts);
   TileScheduler sched;
@@ -143,7 +142,6 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       make_tma_copy(SM90_TMA_LOAD{}, mQ, typename T::SmemLayoutQ1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mK, typename T::SmemLayoutK1{}),
       make_tma_copy(SM90_TMA_LOAD{}, mV, typename T::SmemLayoutK1{}),
-      make_tma_copy(SM90_TMA_STORE{}, mO, typename T::SmemLayoutQ1{}),
       s.seqlen_q,
       s.seqlen_k,
       s.heads_q,

@@ -4,9 +4,9 @@
 //     empty: every consumer thread is done with the stage). K apart from V, so that a block's
 //     Q K^T can start before its V has landed. Blocks are produced in lockstep (block j sits in
 //     stage j % kStages of both), so a consumer's one read state serves both rings.
-//   * Q: one buffer (q_full / q_empty and the tile slot ss.tile), or two used by alternate tiles
-//     (kQPrefetch: qb.full[b] / qb.empty[b] and the published tile qb.info[b]), so that the next
-//     tile's Q loads a tile ahead. full completes when the buffer holds the tile (TMA landed, or
+//   * Q: one buffer (FwdQBuffer: full / empty and the tile slot), or two used by alternate
+//     tiles (kQPrefetch, FwdQBuffers: full[b] / empty[b] and the published tile info[b]), so that
+//     the next tile's Q loads a tile ahead. full completes when the buffer holds the tile (TMA landed, or
 //     a plain arrival for a tile without keys or the end marker); empty when every consumer
 //     thread is past its tile's last Q K^T (one arrival per thread).
 //   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (FwdPingPong).
@@ -21,7 +21,7 @@
 namespace fa3 {
 
 // Named barrier ids (NamedBarrier adds CUTLASS's reserved ids below them).
-constexpr int kFwdBarPingPong = 3;  // + consumer warpgroup, < 3 warpgroups
+constexpr int kFwdBarPingPong = 0;  // + consumer warpgroup, < 3 warpgroups
 
 template <int kStages>
 using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -39,8 +39,12 @@ CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Q hand-off. Shared memory of the two-buffer form (the one-buffer form is three fields of
-// FwdTraits::SharedStorage).
+// Q hand-off: its shared memory in the one- and the two-buffer form (FwdTraits::SharedStorage::qsync).
+struct FwdQBuffer {
+  alignas(16) uint64_t full;   // the Q tile landed (or a plain arrival)
+  alignas(16) uint64_t empty;  // every consumer thread is past its last Q K^T
+  int tile;                    // dynamic schedule: the tile of the full phase (>= num_tiles: end)
+};
 struct alignas(16) FwdTileInfo {  // what the producer publishes per tile (t >= num_tiles: end)
   int t, m_block, head, batch;
   int n_begin, n_end, pad0, pad1;
@@ -50,7 +54,6 @@ struct FwdQBuffers {
   alignas(16) uint64_t empty[2];
   FwdTileInfo info[2];
 };
-struct FwdNoQBuffers {};
 
 // One tile of the schedule: its coordinates, query rows [row_lo, row_hi] (row_hi < seqlen_q),
 // the key blocks [n_begin, n_end) that intersect the band, its Q buffer.
@@ -76,13 +79,14 @@ CUTE_DEVICE FwdTile fwd_tile(typename T::Params const& p, int t) {
 template <class T>
 CUTE_DEVICE void fwd_q_barriers_init(typename T::SharedStorage& ss) {
   using ClusterBarrier = cutlass::arch::ClusterBarrier;
-  cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-  ClusterBarrier::init(&ss.q_empty, T::kNumMmaThreads);
   if constexpr (T::kQPrefetch) {
     for (int b = 0; b < 2; ++b) {
-      cutlass::arch::ClusterTransactionBarrier::init(&ss.qb.full[b], 1);
-      ClusterBarrier::init(&ss.qb.empty[b], T::kNumMmaThreads);
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.qsync.full[b], 1);
+      ClusterBarrier::init(&ss.qsync.empty[b], T::kNumMmaThreads);
     }
+  } else {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.qsync.full, 1);
+    ClusterBarrier::init(&ss.qsync.empty, T::kNumMmaThreads);
   }
 }
 
@@ -92,10 +96,10 @@ CUTE_DEVICE void fwd_q_barriers_init(typename T::SharedStorage& ss) {
 template <class T, bool kTwoBuffers = T::kQPrefetch>
 struct FwdQProducer;
 
-// One buffer: acquire waits for the previous tile's q_empty. The consumers decode the tile
+// One buffer: acquire waits for the previous tile's empty. The consumers decode the tile
 // themselves; the slot carries it only under the dynamic schedule, where they cannot know it.
-// The producer completes a q_full phase for every tile (a plain arrival when it has no keys), so
-// the consumers never run more than one tile ahead of it (the q_empty parity waits rely on it).
+// The producer completes a full phase for every tile (a plain arrival when it has no keys), so
+// the consumers never run more than one tile ahead of it (the empty parity waits rely on it).
 template <class T>
 struct FwdQProducer<T, false> {
   typename T::SharedStorage& ss;
@@ -104,25 +108,25 @@ struct FwdQProducer<T, false> {
 
   CUTE_DEVICE int acquire() {
     if (!first) {
-      cutlass::arch::ClusterBarrier::wait(&ss.q_empty, empty_phase);
+      cutlass::arch::ClusterBarrier::wait(&ss.qsync.empty, empty_phase);
       empty_phase ^= 1;
     }
     first = false;
     return 0;
   }
   CUTE_DEVICE void advance() {}
-  // Every consumer thread has read the previous slot (at its tile start, before q_empty).
+  // Every consumer thread has read the previous slot (at its tile start, before empty).
   CUTE_DEVICE void publish(int, bool dynamic, int t, TileCoord, int, int) {
-    if (dynamic) ss.tile = t;
+    if (dynamic) ss.qsync.tile = t;
   }
-  CUTE_DEVICE uint64_t& full(int) { return ss.q_full; }
+  CUTE_DEVICE uint64_t& full(int) { return ss.qsync.full; }
   // Static schedule: the consumers stop by themselves after their last tile. Dynamic: one more
-  // q_full phase with an end marker, once the consumers are past their last tile's start.
+  // full phase with an end marker, once the consumers are past their last tile's start.
   CUTE_DEVICE void finish(bool dynamic, int num_tiles) {
     if (dynamic && !first) {
-      cutlass::arch::ClusterBarrier::wait(&ss.q_empty, empty_phase);
-      ss.tile = num_tiles;
-      cutlass::arch::ClusterBarrier::arrive(&ss.q_full);
+      cutlass::arch::ClusterBarrier::wait(&ss.qsync.empty, empty_phase);
+      ss.qsync.tile = num_tiles;
+      cutlass::arch::ClusterBarrier::arrive(&ss.qsync.full);
     }
   }
 };
@@ -141,12 +145,12 @@ struct FwdQProducer<T, true> {
   int i = 0;  // tiles of this CTA so far
 
   CUTE_DEVICE int acquire() {
-    if (i >= 2) cutlass::arch::ClusterBarrier::wait(&ss.qb.empty[i & 1], ((i >> 1) + 1) & 1);
+    if (i >= 2) cutlass::arch::ClusterBarrier::wait(&ss.qsync.empty[i & 1], ((i >> 1) + 1) & 1);
     return i & 1;
   }
   CUTE_DEVICE void advance() { ++i; }
   CUTE_DEVICE void publish(int b, bool, int t, TileCoord c, int n_begin, int n_end) {
-    FwdTileInfo& info = ss.qb.info[b];
+    FwdTileInfo& info = ss.qsync.info[b];
     info.t = t;
     info.m_block = c.m_block;
     info.head = c.head;
@@ -154,12 +158,12 @@ struct FwdQProducer<T, true> {
     info.n_begin = n_begin;
     info.n_end = n_end;
   }
-  CUTE_DEVICE uint64_t& full(int b) { return ss.qb.full[b]; }
+  CUTE_DEVICE uint64_t& full(int b) { return ss.qsync.full[b]; }
   // Every schedule ends with an end marker in the next buffer.
   CUTE_DEVICE void finish(bool, int num_tiles) {
     int const b = acquire();
-    ss.qb.info[b].t = num_tiles;
-    cutlass::arch::ClusterBarrier::arrive(&ss.qb.full[b]);
+    ss.qsync.info[b].t = num_tiles;
+    cutlass::arch::ClusterBarrier::arrive(&ss.qsync.full[b]);
   }
 };
 
@@ -178,15 +182,15 @@ struct FwdQConsumer<T, false> {
   // replaced by the published one under the dynamic schedule (>= num_tiles: the end marker).
   // The caller decodes the tile (fwd_tile).
   CUTE_DEVICE bool next_tile(typename T::Params const&, bool dynamic, int num_tiles, int& t, FwdTile&) {
-    cutlass::arch::ClusterBarrier::wait(&ss.q_full, full_phase);
+    cutlass::arch::ClusterBarrier::wait(&ss.qsync.full, full_phase);
     full_phase ^= 1;
     if (dynamic) {
-      t = ss.tile;
+      t = ss.qsync.tile;
       if (t >= num_tiles) return false;
     }
     return true;
   }
-  CUTE_DEVICE void release(FwdTile const&) { cutlass::arch::ClusterBarrier::arrive(&ss.q_empty); }
+  CUTE_DEVICE void release(FwdTile const&) { cutlass::arch::ClusterBarrier::arrive(&ss.qsync.empty); }
 };
 
 template <class T>
@@ -200,12 +204,12 @@ struct FwdQConsumer<T, true> {
     // registers and ptxas moved the consumers' descriptor and barrier arithmetic off the uniform
     // datapath (+32 R2UR and 5 WARPSYNC per main-loop block).
     int const b = __shfl_sync(0xffffffffu, i & 1, 0);
-    cutlass::arch::ClusterBarrier::wait(&ss.qb.full[b], (i >> 1) & 1);
+    cutlass::arch::ClusterBarrier::wait(&ss.qsync.full[b], (i >> 1) & 1);
     ++i;
     // The producer rewrites info[b] only after every consumer thread's empty[b] arrival of this
     // tile, which comes after these reads.
-    int4 const i0 = *reinterpret_cast<int4 const*>(&ss.qb.info[b].t);
-    int2 const i1 = *reinterpret_cast<int2 const*>(&ss.qb.info[b].n_begin);
+    int4 const i0 = *reinterpret_cast<int4 const*>(&ss.qsync.info[b].t);
+    int2 const i1 = *reinterpret_cast<int2 const*>(&ss.qsync.info[b].n_begin);
     t = i0.x;
     if (t >= num_tiles) return false;
     tile.c.m_block = i0.y;
@@ -218,7 +222,7 @@ struct FwdQConsumer<T, true> {
     tile.buf = b;
     return true;
   }
-  CUTE_DEVICE void release(FwdTile const& tile) { cutlass::arch::ClusterBarrier::arrive(&ss.qb.empty[tile.buf]); }
+  CUTE_DEVICE void release(FwdTile const& tile) { cutlass::arch::ClusterBarrier::arrive(&ss.qsync.empty[tile.buf]); }
 };
 
 // ---------------------------------------------------------------------------------------------

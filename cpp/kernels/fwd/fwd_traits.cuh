@@ -79,15 +79,10 @@ struct FwdTraits {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> v;
-    // One Q buffer (fwd_pipeline.cuh): TMA of the Q tile landed / the consumers are past their
-    // last Q K^T / dynamic schedule: the tile of the q_full phase (>= num_tiles: end).
-    alignas(16) uint64_t q_full;
-    alignas(16) uint64_t q_empty;
-    int tile;
+    // The Q hand-off's barriers and tile slots (fwd_pipeline.cuh), in its one- or two-buffer form.
+    std::conditional_t<kQPrefetch, FwdQBuffers, FwdQBuffer> qsync;
     alignas(16) typename Pipeline::SharedStorage pipe_k;
     alignas(16) typename Pipeline::SharedStorage pipe_v;
-    // kQPrefetch: per Q buffer its barriers and the tile it holds.
-    std::conditional_t<kQPrefetch, FwdQBuffers, FwdNoQBuffers> qb;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
@@ -96,16 +91,13 @@ struct FwdTraits {
   using GShape = Shape<int, D, int, int>;
   using GStride = Stride<int64_t, _1, int64_t, int64_t>;
   using GTensorIn = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}));
-  using GTensorOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GShape{}, GStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutQ1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutK1{}));
-  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GTensorOut>(), SmemLayoutQ1{}));
 
   struct Params {
     TmaQ tma_q;
     TmaKV tma_k;
     TmaKV tma_v;
-    TmaO tma_o;
     int seqlen_q, seqlen_k, heads_q, heads_kv, batch;
     int group;  // heads_q / heads_kv
     BandMask mask;
