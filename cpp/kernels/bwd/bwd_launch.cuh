@@ -71,7 +71,7 @@ auto bshd_view(T* ptr, int seqlen, int heads, int batch) {
                      make_stride(int64_t(heads) * kHeadDim, _1{}, int64_t(kHeadDim), int64_t(seqlen) * heads * kHeadDim));
 }
 
-// The dK or dV TMA store of MainParams (bwd_main.cuh, store_dkv_tma): over (seqlen_k, head_dim,
+// The dK or dV TMA store of MainParams (bwd_epilogue.cuh, store_dkv_tma): over (seqlen_k, head_dim,
 // heads_kv, batch) with DKVStore's 16-row shared-memory view as the box; the empty placeholder for
 // traits without kTmaDKV.
 template <class Tr, bool kDV>

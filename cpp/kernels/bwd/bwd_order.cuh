@@ -101,11 +101,16 @@ struct BwdTailSplit {
   }
 };
 
+// Whether the main kernel can run a tail unit split over several CTAs: one pass over the query
+// blocks (dK/dV whole in registers at the end).
+template <class Tr>
+constexpr bool kTailSplitOk = Tr::kPasses == 1;
+
 // Host: the split of `num_tiles` equal units of `m_len` query blocks (times `group` query heads)
 // on num_sms SMs, one CTA per SM: the `parts` that minimises the tail's modelled time,
 // ceil(tail * parts / num_sms) rounds of (group * ceil(m_len / parts) + kCtaCost) steps, against
 // group * m_len + kCtaCost unsplit. kCtaCost ~2 steps: K/V load, pipeline fill, the epilogue
-// (host_checks/order_check.cu models the makespans). At most kMaxRounds rounds of tail CTAs:
+// (the tail model). At most kMaxRounds rounds of tail CTAs:
 // more gains little and costs workspace (2 x 128 keys x head_dim fp32 per slot) and the
 // tail kernel's reads. No split with a band (unequal units: the longest-first order handles
 // them) or when nothing is gained.

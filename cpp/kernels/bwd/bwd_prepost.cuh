@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
 // dQ WGMMA (float4 j of thread t of warpgroup w at w * kDQWgFloats + j * 128 + t), so these reads
 // are coalesced. Written straight from the fragment, dQ would leave as 4-byte pieces 8 rows apart
 // (partial 32-byte sectors): the H200 took 165-170 us for 16k tokens x 2048 that way, against
-// 52-56 us for cuDNN's conversion (ncu, session 11). So each chunk is scaled, converted and gathered
+// 52-56 us for cuDNN's conversion (ncu). So each chunk is scaled, converted and gathered
 // into a (query, column) tile in shared memory first, and leaves as whole 16-byte row pieces.
 // Tr::kDQSwapAB (hd128 at 80-row steps): the fragments are of dQ^T, registers 2k, 2k+1 adjacent
 // queries of one column.
@@ -148,8 +148,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
 // scaled). Grid (tail unit r, vector v of 2 * kDKVTailVec<Tr>): CTA (r, v) owns float4 v of every
 // thread's fragment of unit split.full + r (v < kDKVTailVec: dK, else dV), 256 threads one
 // fragment each. Why so wide: a tail has few units (4 at hd64 16k tokens) of up to 64 parts, and
-// one CTA per unit walking the parts one load at a time was latency-bound (session 14 A/B: -8%
-// at hd64 4k). The part loads are unrolled (in flight together); the adds stay in part order,
+// one CTA per unit walking the parts one load at a time was latency-bound (-8% at hd64 4k). The part loads are unrolled (in flight together); the adds stay in part order,
 // so the sum does not depend on which CTA ended first. Thread ct writes where the main kernel's
 // epilogue would have: the dK/dV MMA's identity partition gives each value's (key, column);
 // values 2k, 2k + 1 are adjacent columns.

@@ -1,81 +1,87 @@
 // The split-D backward main kernel (head dim 256; traits and GEMM list in bwd_split_d_traits.cuh).
 // One CTA per (80 keys, kv head, batch), warp specialised like bwd_main_kernel:
-//   warpgroup 0, warp 0: producer (TMA: K, V once; per step Q + LSE into a 2-stage ring, dO + D
-//     into a one-stage ring: split_d_producer_sep_do in bwd_split_d_sep_do.cuh).
+//   warpgroup 0, warp 0: producer (load_kv_and_steps_split_d, bwd_producer.cuh): K, V once; per
+//     step Q + LSE into a 2-stage ring, dO + D into a one-stage ring.
 //   warpgroups 1, 2: consumers. Per step (query block of 64 rows, one query head of the group):
-//     S, dP for 32 keys each -> P, dS into shared memory -> sync -> each warpgroup accumulates
-//     dV^T and dK^T for its 128 head-dim rows over all 64 keys, and adds its columns of
-//     dQ = dS K to the fp32 accumulator with float4 atomics.
-// Shared with bwd_main.cuh: MainParams, the producer's helpers (load_kv, qdo_*_tiles; TMA types and
-// byte counts are BwdLoads in bwd_traits.cuh), query_block_range, the named-barrier ids, the
-// deterministic turn protocol (identical to the atomic dQ path there) and the dQ accumulator
-// layout (so preprocess/postprocess are the same kernels).
+//     S, dP for 40 keys each -> P, dS into shared memory -> sync -> each warpgroup accumulates
+//     dV^T and dK^T for its 128 head-dim rows over all 80 keys, and adds its columns of
+//     dQ = dS K to the fp32 accumulator with float4 reductions (bwd_dq.cuh).
+// Shared with the main kernel: MainParams, the producer's helpers, the band (common/mask.cuh),
+// the named-barrier ids (bwd_pipeline.cuh), the deterministic turn protocol (identical to its
+// paths without the dQ writer) and the dQ accumulator layout (so preprocess/postprocess are the
+// same kernels).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "bwd/bwd_main.cuh"
-#include "bwd/bwd_split_d_sep_do.cuh"
+#include "bwd/bwd_dq.cuh"
+#include "bwd/bwd_epilogue.cuh"
+#include "bwd/bwd_params.cuh"
+#include "bwd/bwd_pipeline.cuh"
+#include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_split_d_traits.cuh"
 #include "common/mask.cuh"
+#include "common/softmax.cuh"
 #include "common/utils.cuh"
 
 namespace fa3 {
 namespace bwd {
 
+// P = exp2(S * scale_log2 - lse_log2) in place of S and dS = P o (dP - D) (o tanh' with softcap)
+// in place of dP, for one step whose S and dP GEMMs are in flight (rows = queries from m0,
+// columns = keys). lse_r/dpsum_r: the statistics of the thread's two accumulator rows.
+template <class Tr, class FragS, class CoordS>
+CUTE_DEVICE void split_d_p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
+                                  CoordS const& tScS, float const (&lse_r)[2], float const (&dpsum_r)[2],
+                                  bool need_mask, int m0) {
+  // P of element i (query: its row, key: its column) = 0 where the band or the key bound hides it.
+  auto apply_mask = [&](float& pv, int i) { p.band().zero_if_masked(pv, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i))); };
+  if constexpr (!Tr::kSoftcap) {
+    // P while dP is still on the tensor cores; the mask is its own pass (boundary blocks).
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(tSrS);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tSrS(i) = prob_from_lse(tSrS(i), p.scale_log2, lse_r[(i / 2) % 2]);
+    if (need_mask) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) apply_mask(tSrS(i), i);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdPrdP);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = softmax_grad(tSrS(i), tdPrdP(i), dpsum_r[(i / 2) % 2]);
+  } else {
+    // Softcap: tanh' must meet dP, so P and dS in one pass after both GEMMs.
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tdPrdP);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) {
+      const float s = softcap_score(tSrS(i), p.pre_tanh);
+      float pv = prob_from_lse(s, p.scale_log2, lse_r[(i / 2) % 2]);
+      if (need_mask) apply_mask(pv, i);
+      tSrS(i) = pv;
+      tdPrdP(i) = softmax_grad(pv * softcap_grad(s), tdPrdP(i), dpsum_r[(i / 2) % 2]);
+    }
+  }
+}
+
+// The consumer warpgroups: the CTA's steps, then the dK/dV epilogue.
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kNumThreads, 1)
-    bwd_split_d_kernel(const __grid_constant__ MainParams<Tr> p) {
+CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   using Element = typename Tr::Element;
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim;
   constexpr int kStages = Tr::kStages, kStagesPdS = Tr::kStagesPdS;
-  using ClusterBar = cutlass::arch::ClusterBarrier;
-  using TxBar = cutlass::arch::ClusterTransactionBarrier;
-  using Storage = typename Tr::SharedStorage;
-
-  extern __shared__ char smem_raw[];
-  auto storage = [&]() -> Storage& { return aligned_storage<Storage, false>(smem_raw); };
-  auto consumer_storage = [&]() -> Storage& { return aligned_storage<Storage, true>(smem_raw); };
-  if (threadIdx.x == 0) {
-    Storage& ss = storage();
-    TxBar::init(&ss.kv_full, 1);
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < kStages; ++s) {
-      TxBar::init(&ss.full[s], 1);
-      ClusterBar::init(&ss.empty[s], Tr::kNumMmaThreads);  // release_stage: every consumer thread
-    }
-    TxBar::init(&ss.do_full, 1);
-    ClusterBar::init(&ss.do_empty, Tr::kNumMmaThreads);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (threadIdx.x / 128 == 0) {
-    // ------------------------------------------------------------------ producer warpgroup
-    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      // The 1D grid in bwd_order.cuh's longest-first section order.
-      int n_block, hk, b;
-      p.order.decode(int(blockIdx.x), n_block, hk, b);
-      const int group = p.heads_q / p.heads_kv;
-      BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-      int m_begin, m_end;
-      query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
-      if (m_end > m_begin) split_d_producer_sep_do(p, storage(), n_block, hk, b, group, m_begin, m_end);
-    }
-    return;
-  }
-
-  // -------------------------------------------------------------------- consumers
   cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
-  Storage& ss = consumer_storage();
+  auto& ss = aligned_storage<typename Tr::SharedStorage, true>(smem_raw);
   int n_block, hk, b;
   p.order.decode(int(blockIdx.x), n_block, hk, b);
   const int group = p.heads_q / p.heads_kv;
-  BandMask band{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  const BandMask band = p.band();
   int m_begin, m_end;
-  query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+  band.query_block_range(n_block, kBlockN, kBlockM, m_begin, m_end);
   int ct, wg, t_in_wg;  // wg unused here: the thread slices take it from ct
   consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
@@ -108,6 +114,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   Tensor tdKrQ = thr_dkv.partition_fragment_A(sQt);
   Tensor tdKrdS = thr_dkv.partition_fragment_B(sdSt);
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  // K^T of dQ chunk c (its head-dim columns).
+  auto tdQrK = [&](int c) {
+    return thr_dq.partition_fragment_B(local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(c, _0{})));
+  };
 
   // (query, key) of this thread's S/dP accumulator elements; (d, key) of its dK^T/dV^T ones.
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -127,17 +137,17 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   const int n0 = n_block * kBlockN;
   const bool n_partial = n0 + kBlockN > p.seqlen_k;
   // The accumulator rows of a thread: element i sits on row get<0>(tScS(2 * ((i / 2) % 2)))
-  // (value mode (column pair, row +8, column group)); host_checks/split_d_check.cu checks it.
+  // (value mode (column pair, row +8, column group)).
   const int row_lo = get<0>(tScS(0)), row_hi = get<0>(tScS(2));
 
   if (m_end > m_begin) TxBar::wait(&ss.kv_full, 0);
 
-  int it = 0;  // step counter: Q/dO stage and phase, P/dS buffer
+  int it = 0;  // step counter: Q stage and phase, dO phase, P/dS buffer
   for (int hi = 0; hi < group; ++hi) {
     const int h = hk * group + hi;
     // Recomputed per query head (a few integer ops): kept live across the step loop, the range
     // spilled.
-    query_block_range(band, n_block, kBlockN, kBlockM, m_begin, m_end);
+    band.query_block_range(n_block, kBlockN, kBlockM, m_begin, m_end);
     for (int m = m_begin; m < m_end; ++m, ++it) {
       const int m0 = m * kBlockM;
       const bool need_mask =
@@ -156,40 +166,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       const float* dpsum = ss.dpsum.data();
       const float lse_r[2] = {lse[row_lo], lse[row_hi]};
       const float dpsum_r[2] = {dpsum[row_lo], dpsum[row_hi]};
-      auto masked = [&](int i) {
-        const int qi = m0 + get<0>(tScS(i)), j = n0 + get<1>(tScS(i));
-        const int rel = (j - p.seqlen_k) - (qi - p.seqlen_q);  // j - i - (sk - sq)
-        return j >= p.seqlen_k || rel < -p.window_left || rel > p.window_right;
-      };
-      if constexpr (!Tr::kSoftcap) {
-        // P while dP is still on the tensor cores; the mask is its own pass (boundary blocks).
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) tSrS(i) = exp2f(tSrS(i) * p.scale_log2 - lse_r[(i / 2) % 2]);
-        if (need_mask) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size(tSrS); ++i)
-            if (masked(i)) tSrS(i) = 0.f;
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdPrdP);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) tdPrdP(i) = tSrS(i) * (tdPrdP(i) - dpsum_r[(i / 2) % 2]);
-      } else {
-        // Softcap: tanh' must meet dP, so P and dS in one pass after both GEMMs.
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tSrS);
-        warpgroup_fence_operand(tdPrdP);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) {
-          const float s = tanhf(tSrS(i) * p.pre_tanh);
-          float pv = exp2f(s * p.scale_log2 - lse_r[(i / 2) % 2]);
-          if (need_mask && masked(i)) pv = 0.f;
-          tSrS(i) = pv;
-          tdPrdP(i) = pv * (1.f - s * s) * (tdPrdP(i) - dpsum_r[(i / 2) % 2]);
-        }
-      }
+      split_d_p_and_ds<Tr>(p, n0, tSrS, tdPrdP, tScS, lse_r, dpsum_r, need_mask, m0);
       {
         Tensor rP = make_tensor<Element>(tSrS.layout());
         convert_fragment(tSrS, rP);
@@ -204,13 +181,9 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       // the end of this step) before either passes the next step's sync.
       cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
 
-      // dQ chunk 0 first, so its atomics run while dV^T and dK^T are on the tensor cores.
+      // dQ chunk 0 first, so its adds run while dV^T and dK^T are on the tensor cores.
       Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<Tr::kHdChunk>>{});
-      {
-        Tensor tdQrK = thr_dq.partition_fragment_B(
-            local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(0, _0{})));
-        wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
-      }
+      wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK(0), tdQrdQ);
       wgmma_gemm<false, -1>(mma_dkv, tdVrdO(_, _, _, 0), tdVrP(_, _, _, buf), tdVrdV);
       wgmma_gemm<false, -1>(mma_dkv, tdKrQ(_, _, _, stage), tdKrdS(_, _, _, buf), tdKrdK);
 
@@ -219,28 +192,14 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       float4* acc = reinterpret_cast<float4*>(p.dq_accum + acc_base + int64_t(ct / 128) * Tr::kDQWgFloats);
       warpgroup_wait<2>();  // dQ chunk 0 done; dV^T, dK^T may still run
       warpgroup_fence_operand(tdQrdQ);
-      if (p.deterministic) {
-        // Same turn protocol as bwd_main_kernel's atomic path (key blocks of kBlockN = 64 here).
-        int nb, ne;
-        band.key_block_range(m0, min(m0 + kBlockM, p.seqlen_q) - 1, kBlockN, nb, ne);
-        if (ct == 0) {
-          while (ld_acquire(sem) != n_block - nb) __nanosleep(40);
-        }
-        cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetIn);
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < Tr::kDQFrag / 4; ++j)
-        dq_add_f32x4(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
+      if (p.deterministic) wait_dq_turn<Tr>(band, m0, n_block, sem, ct);
+      dq_add_fragment(acc, tdQrdQ, t_in_wg);
       // dV^T (issued before dK^T) is the last reader of dO: free the slot now, so the next
       // step's dO load runs under dK^T, dQ chunk 1 and the next S. dK^T stays in flight.
       warpgroup_wait<1>();
       warpgroup_fence_operand(tdVrdV);
       release_stage(&ss.do_empty);
-      {
-        Tensor tdQrK = thr_dq.partition_fragment_B(
-            local_tile(sKt, Shape<Int<Tr::kHdChunk>, Int<kBlockN>>{}, make_coord(1, _0{})));
-        wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
-      }
+      wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, buf), tdQrK(1), tdQrdQ);
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdQrdQ);
       warpgroup_fence_operand(tdVrdV);
@@ -248,45 +207,46 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       // Q, dO, LSE, D of this stage are no longer read by this thread.
       release_stage(&ss.empty[stage]);
       acc += (kBlockM * Tr::kHdChunk) / 4;  // chunk 1
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < Tr::kDQFrag / 4; ++j)
-        dq_add_f32x4(acc + j * 128 + t_in_wg, make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3)));
-      if (p.deterministic) {
-        __threadfence();
-        cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDetOut);
-        if (ct == 0) red_release_add(sem, 1);
-      }
+      dq_add_fragment(acc, tdQrdQ, t_in_wg);
+      if (p.deterministic) publish_dq_turn<Tr>(sem, ct);
     }
   }
+  // dK (scaled) and dV, transposed back from (d, key) fragments, in the input dtype.
+  store_dkv_split_d<Tr>(p, ss, tdKrdK, tdVrdV, tdKVc, n0, hk, b, ct);
+}
 
-  // Epilogue: dK (scaled) and dV, transposed back from (d, key) fragments, in the input dtype.
-  // Plain 2-byte stores (adjacent registers are adjacent keys, not adjacent columns); once per CTA.
-  const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
-  Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
-  Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
-  // With 160 accumulators live, per-element global stores spilled (their addresses and key
-  // predicates are hoisted). Instead: dK, dV -> shared memory as (key, d) rows over the dead K and
-  // Q tiles (each address = a per-thread base + a constant), then 16-byte coalesced global stores
-  // of the valid key rows.
-  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);  // both WGs done with K, Q
-  Element* sdk = ss.q.data();  // 64 KB >= 40 KB
-  Element* sdv = ss.k.data();  // exactly 80 x 256
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(tdKrdK); ++i) {
-    const int off = get<1>(tdKVc(i)) * kHeadDim + get<0>(tdKVc(i));
-    sdk[off] = Element(tdKrdK(i) * p.softmax_scale);
-    sdv[off] = Element(tdVrdV(i));
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kNumThreads, 1)
+    bwd_split_d_kernel(const __grid_constant__ MainParams<Tr> p) {
+  using TxBar = cutlass::arch::ClusterTransactionBarrier;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  using Storage = typename Tr::SharedStorage;
+  extern __shared__ char smem_raw[];
+  if (threadIdx.x == 0) {
+    Storage& ss = aligned_storage<Storage, false>(smem_raw);
+    init_ring_barriers<Tr>(ss);
+    TxBar::init(&ss.do_full, 1);
+    ClusterBar::init(&ss.do_empty, Tr::kNumMmaThreads);
+    cutlass::arch::fence_barrier_init();
   }
-  cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
-  constexpr int kVecRow = kHeadDim / 8;  // 16-byte vectors per key row
-  const int n_vec = min(kBlockN, p.seqlen_k - n0) * kVecRow;
-  #pragma unroll 1
-  for (int c = ct; c < n_vec; c += Tr::kNumMmaThreads) {
-    const int r = c / kVecRow, col = (c % kVecRow) * 8;
-    const int64_t off = int64_t(n0 + r) * kv_stride_row + col;
-    *reinterpret_cast<uint4*>(dk + off) = *reinterpret_cast<const uint4*>(sdk + r * kHeadDim + col);
-    *reinterpret_cast<uint4*>(dv + off) = *reinterpret_cast<const uint4*>(sdv + r * kHeadDim + col);
+  __syncthreads();
+
+  if (threadIdx.x / 128 == 0) {
+    // Producer warpgroup: one thread issues every load (the 1D grid in bwd_order.cuh's
+    // longest-first section order).
+    cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x == 0) {
+      int n_block, hk, b;
+      p.order.decode(int(blockIdx.x), n_block, hk, b);
+      const int group = p.heads_q / p.heads_kv;
+      int m_begin, m_end;
+      p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+      if (m_end > m_begin)
+        load_kv_and_steps_split_d(p, aligned_storage<Storage, false>(smem_raw), n_block, hk, b, group, m_begin, m_end);
+    }
+    return;
   }
+  split_d_consumer(p, smem_raw);
 }
 
 }  // namespace bwd

@@ -1,28 +1,28 @@
-// Backward configuration of the "split-D" kernel variant (bwd_split_d.cuh), head dim 256.
+// Configuration of the "split-D" backward kernel (bwd_split_d.cuh), which head dim 256 runs.
 //
-// Why a second variant: the default kernel (bwd_traits.cuh) gives each consumer warpgroup 64 of
-// the CTA's 128 keys and keeps dK and dV of those keys over ALL head-dim columns in registers.
-// At d = 256 that is 256 fp32 registers per thread, so it runs two column passes over the query
-// blocks and recomputes S^T and dP^T in the second (7 GEMM units instead of 5, and it spills).
-// Here the CTA owns only kBlockN = 64 keys and the two warpgroups split the HEAD DIM of dK/dV:
-// each holds dK^T and dV^T for 128 of the 256 columns x 64 keys (2 x 64 registers). S and dP
-// are computed once per step, split by keys (32 per warpgroup), and exchanged through shared
-// memory as P and dS, so one pass over the query blocks suffices (5 GEMM units per step):
-//   S    = Q K^T           (64 queries x 32 keys per WG, SS)       rows = queries
+// Why a second kernel: the main kernel (bwd_traits.cuh) gives each consumer warpgroup 64 of the
+// CTA's 128 keys and keeps dK and dV of those keys over ALL head-dim columns in registers. At
+// d = 256 that is 256 fp32 registers per thread, so it would run two column passes over the
+// query blocks and recompute S^T and dP^T in the second (7 GEMM units instead of 5, and spills).
+// Here the CTA owns kBlockN = 80 keys and the two warpgroups split the HEAD DIM of dK/dV: each
+// holds dK^T and dV^T for 128 of the 256 columns x 80 keys (2 x 80 registers). S and dP are
+// computed once per step, split by keys (40 per warpgroup), and exchanged through shared memory
+// as P and dS, so one pass over the query blocks suffices (5 GEMM units per step):
+//   S    = Q K^T           (64 queries x 40 keys per WG, SS)       rows = queries
 //   dP   = dO V^T          (same tiling)
 //   P    = exp2(S * scale_log2 - lse_log2), dS = P o (dP - D)      (o tanh' with softcap)
 //   P, dS -> shared memory (bf16/fp16, keys contiguous), both warpgroups sync
-//   dV^T += dO^T P         (256 x 64 keys, K = queries; WG w owns 128 of the head-dim rows, SS)
+//   dV^T += dO^T P         (256 x 80 keys, K = queries; WG w owns 128 of the head-dim rows, SS)
 //   dK^T += Q^T dS         (same)
 //   dQ    = dS K           (64 x 256 in two column chunks, WGs split each chunk's columns, SS;
-//                           added to the fp32 accumulator with float4 atomics, as hd256 does
-//                           on main: the 64 KB smem dQ tile does not fit next to 2 Q/dO stages)
+//                           added to the fp32 accumulator with float4 reductions: a 64 KB smem
+//                           dQ tile does not fit next to the Q/dO stages)
 // dK^T/dV^T are "swapAB" GEMMs: the head dim is the M side, the CTA's keys the N side.
 #pragma once
 
 #include "bwd/bwd_traits.cuh"
 
-// Head dim 256 runs this variant: 1.11-1.18x the column-pass kernel at 2k-8k on the H200.
+// Measured: 1.11-1.18x the column-pass main kernel at 2k-8k on the H200.
 // 80 keys per CTA (FA3's hd256 tile: +8-16% over 64): they cut the Q/dO loads and the dQ adds per
 // MAC by 20% and spread each step's fixed costs over 25% more tensor work; to fit 227 KB, dO gets
 // its own one-stage ring (Q keeps two) and is released as soon as dV^T has read it.
@@ -49,11 +49,10 @@ struct SplitDTraits {
   static constexpr int kStagesdO = 1;
   static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
                                        // warpgroup may still read this step's (no extra barrier)
-  static constexpr int kPasses = 1;    // one walk over the query blocks (the shared producer's
-                                       // pass loop, bwd_main.cuh)
+  static constexpr int kPasses = 1;    // one walk over the query blocks (no column passes)
   static constexpr int kHdWg = kHeadDim / kNumMmaWG;  // dK^T/dV^T rows per warpgroup
-  // dQ in two column chunks of 128, each split 64/64 between the warpgroups: the same tiling and
-  // fragment order as BwdTile<256>, so the accumulator layout and bwd_postprocess are shared.
+  // dQ in two column chunks of 128, each split 64/64 between the warpgroups, in the dQ WGMMA's
+  // fragment order like the main kernel's, so the accumulator layout and bwd_postprocess are shared.
   static constexpr int kDQChunks = 2;
   static constexpr int kHdChunk = kHeadDim / kDQChunks;
   static constexpr int kDQFrag = kBlockM * kHdChunk / kNumMmaThreads;

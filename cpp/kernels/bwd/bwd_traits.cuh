@@ -1,5 +1,6 @@
-// Backward configuration per (element, head dim): tile table, shared-memory layouts, WGMMA
-// tilings and the TMA copy types. Kernels read everything from here.
+// Configuration of the backward main kernel (bwd_main.cuh) per (element, head dim, softcap): the
+// tile table, shared-memory layouts, WGMMA tilings and the producer's TMA types (BwdLoads, also
+// the split-D kernel's). Kernels read everything from here.
 //
 // The CTA owns kBlockN = 128 keys of one (batch, kv head); two consumer warpgroups own 64 keys
 // each. Per query block (kBlockM rows) each consumer warpgroup computes, for its 64 keys:
@@ -10,12 +11,15 @@
 //   dK  += dS^T Q           (RS-WGMMA)
 // and dS^T goes to shared memory (queries contiguous) so both warpgroups can compute
 //   dQ   = dS K             (kBlockM x head_dim, SS-WGMMA; the warpgroups split head_dim)
-// A step may cover its kBlockM rows in sub-steps of kBlockMSdP columns (hd64 at 128 rows): the
-// five lines above S^T .. dK run per sub-step, dQ and its hand-off once per step.
-// which is added in fp32 to a global accumulator with vector atomics. Computing S transposed
-// makes both dK and dV register-sourced GEMMs (no P/dS round trip through shared memory for
-// them) and keeps dK/dV accumulation for the CTA's keys in registers.
+// which is added in fp32 to a global accumulator (bwd_dq.cuh). A step may cover its kBlockM rows
+// in sub-steps of kBlockMSdP columns (hd64): the five lines above S^T .. dK run per sub-step, dQ
+// and its hand-off once per step. Computing S transposed makes both dK and dV register-sourced
+// GEMMs (no P/dS round trip through shared memory for them) and keeps dK/dV accumulation for the
+// CTA's keys in registers.
 #pragma once
+
+// First: it enables CuTe's extended WGMMA N shapes (80) before any CuTe header is read.
+#include "common/utils.cuh"
 
 #include <type_traits>
 
@@ -25,8 +29,6 @@
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
-
-#include "common/utils.cuh"
 
 namespace fa3 {
 namespace bwd {
@@ -42,7 +44,6 @@ using namespace cute;
 //   kPasses    > 1 splits head_dim of the dK/dV accumulators into column passes over the query
 //              blocks (S and dP recomputed per pass): registers, not smem, limit d = 192 (dK + dV
 //              for 64 keys x 192 columns would be 192 fp32 registers per thread)
-//   kDQChunks  the dQ GEMM in sequential column chunks (registers)
 //   kDQSmem    dQ leaves through a shared-memory tile that a dedicated warp adds to the fp32
 //              accumulator with one bulk reduce-add per warpgroup; false: the consumers add it
 //              with float4 reductions (where the smem tile does not fit: d = 192)
@@ -60,15 +61,15 @@ template <int kHeadDim> struct BwdTile;
 //     need 224 KB + stats). dQ split by rows across the warpgroups (kDQSplitM, FA3's hd64
 //     AtomLayoutMdQ = 2: 2/3 of the dQ GEMM's smem operand bytes, half the HGMMAs; +4..+11% at
 //     4k-16k together with kSdPAhead).
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; static constexpr bool kDQSplitM = true; };
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; static constexpr bool kDQSplitM = true; };
 // 96: dK+dV 96 regs; smem 24+24 + 3 x 24 (Q,dO) + 16 + 24 (dQ) KB: 3 stages (short steps).
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
 // 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
 //      + 32 (dQ) = 192 KB: 2 stages (3 fit exactly but were level, -2..+2%, at causal).
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer);
 //      both overlaps (0 B spills, 8 B with softcap, where P is not overlapped).
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2, kDQChunks = 1; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
 
 // hd128 at 80 query rows per step for problems without a band (FA3's non-causal hd128 step,
 // +12-15% at non-causal 512-16k): run_bwd_impl (bwd_launch.cuh) picks it for non-causal,
@@ -83,7 +84,7 @@ template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP 
 // (queries contiguous, 80 = 5 x 16) takes the MN SW32 atom. smem 32+32 (K,V) + 2x20+2x20 (Q,dO)
 // + 2x20 (dS) + 40 (dQ) = 224 KB + LSE/D.
 struct BwdTileHd128Full {
-  static constexpr int kBlockM = 80, kBlockMSdP = 80, kStages = 2, kStagesdS = 2, kPasses = 1, kDQChunks = 1;
+  static constexpr int kBlockM = 80, kBlockMSdP = 80, kStages = 2, kStagesdS = 2, kPasses = 1;
   static constexpr bool kDQSmem = true, kOverlapP = false, kOverlapDK = false;
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
@@ -99,8 +100,9 @@ template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
 
 // Traits of one (element, head dim, softcap, tile): BwdTraitsT below. BwdTraits is the tile
-// table's instantiation (a derived type, so the kernels keep their names);
-// BwdTraitsHd128Full the 80-row hd128 tile (unbanded, non-softcap problems only). The base is dependent, so it is complete where these are instantiated.
+// table's instantiation (a derived type, so the kernels keep their names); BwdTraitsHd128Full the
+// 80-row hd128 tile (unbanded, non-softcap problems only). The base is dependent, so it is
+// complete where these are instantiated.
 template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_> struct BwdTraitsT;
 template <typename Element, int kHeadDim, bool kSoftcap>
 struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
@@ -163,7 +165,7 @@ struct BwdTraitsT {
   static constexpr int kStages = Tile::kStages;
   static constexpr int kStagesdS = Tile::kStagesdS;
   static constexpr int kPasses = Tile::kPasses;
-  static constexpr int kDQChunks = Tile::kDQChunks;
+  static constexpr int kDQChunks = 1;                    // the dQ GEMM in one piece (split-D: 2)
   static constexpr int kHdPass = kHeadDim / kPasses;     // dK/dV columns per pass
   static constexpr int kHdChunk = kHeadDim / kDQChunks;  // dQ columns per chunk (both WGs)
   static constexpr bool kDQSmem = Tile::kDQSmem;
@@ -212,7 +214,7 @@ struct BwdTraitsT {
   static constexpr int kMmaRegs = 240;
   static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
-  // dK/dV leave through shared memory and TMA stores (DKVStore below; measured faster than the
+  // dK/dV leave through shared memory and TMA stores (DKVStore, bwd_epilogue.cuh; faster than the
   // 4-byte register stores on the H200). Needs one pass (a pass > 0 has no dS barrier, so the
   // warpgroups are not in step at its end) and a second Q/dO stage (the one the last step does
   // not read).
@@ -287,7 +289,7 @@ struct BwdTraitsT {
   static_assert(kSmemBytes <= 232448, "backward tile exceeds 227 KB of shared memory");
 };
 
-// What the producer warp loads (bwd_main.cuh, load_kv_and_steps) for a traits class Tr, either
+// What the producer warp loads (bwd_producer.cuh) for a traits class Tr, either
 // BwdTraits or SplitDTraits: the TMA copy types over the global tensors as TMA sees them,
 // (seqlen, head_dim, heads, batch), and the transaction bytes of K + V and of one Q/dO/LSE/D stage.
 // The type of a (batch, seqlen, heads, head_dim) tensor of T as TMA sees it, (seqlen, head_dim,
@@ -309,56 +311,6 @@ struct BwdLoads {
   static constexpr uint32_t kBytesK = Tr::kBlockN * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRow = Tr::kBlockM * sizeof(float);  // LSE or D of one query block
   static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
-};
-
-// dK/dV through shared memory and TMA stores (bwd_main.cuh, store_dkv_tma), for
-// traits with kTmaDKV. Consumer warpgroup w stages its (64 keys, head dim) dK in the first 64 rows
-// of the free Q/dO stage (Q for w = 0, dO for w = 1) in a compact K-major layout, and its dV in its
-// own 64 rows of V, in V's layout. Both use V's swizzle atom (the widest that divides the head dim),
-// rows first, so row r of either starts r * kAtomCols elements in (a multiple of the swizzle period
-// for r % 8 == 0): warp k's 16 rows are a 16-row view at 16 k * kAtomCols, the TMA box is (atom
-// columns, 16 rows), head dim / atom columns boxes per tensor. Without kTmaDKV: empty placeholders.
-struct NoTmaStore {};
-template <class Tr, class = void> struct TraitsTmaDKV : std::false_type {};
-template <class Tr> struct TraitsTmaDKV<Tr, std::void_t<decltype(Tr::kTmaDKV)>> : std::bool_constant<Tr::kTmaDKV> {};
-template <class Tr, bool = TraitsTmaDKV<Tr>::value>
-struct DKVStore {
-  static constexpr bool kEnabled = false;
-  using TmaDK = NoTmaStore;
-  using TmaDV = NoTmaStore;
-};
-template <class Tr>
-struct DKVStore<Tr, true> {
-  static constexpr bool kEnabled = true;
-  using Element = typename Tr::Element;
-  static constexpr int kHeadDim = Tr::kHeadDim, kBlockN = Tr::kBlockN;
-  using Atom = typename Tr::AtomV;
-  static constexpr int kAtomCols = decltype(size<1>(Atom{}))::value;
-  static constexpr int kWarpRows = 16;  // key rows of one consumer warp (WGMMA C layout)
-  // Warpgroup tiles: dK compact (64, hd); dV = rows [64 w, 64 w + 64) of SmemLayoutV (offset kVHalf).
-  using SmemLayoutdK = decltype(tile_to_shape(Atom{}, Shape<_64, Int<kHeadDim>>{}));
-  using SmemLayoutdV = decltype(composition(typename Tr::SmemLayoutV{},
-                                            make_layout(Shape<_64, Int<kHeadDim>>{}, Stride<_1, Int<kBlockN>>{})));
-  // One warp's 16 rows of each (offset kWarpOffset * warp).
-  using SmemLayoutdK16 = decltype(composition(SmemLayoutdK{},
-                                              make_layout(Shape<_16, Int<kHeadDim>>{}, Stride<_1, _64>{})));
-  using SmemLayoutdV16 = decltype(composition(typename Tr::SmemLayoutV{},
-                                              make_layout(Shape<_16, Int<kHeadDim>>{}, Stride<_1, Int<kBlockN>>{})));
-  static constexpr int kVHalf = 64 * kAtomCols;                  // elements: V row 64
-  static constexpr int kWarpOffset = kWarpRows * kAtomCols;      // elements: row 16 of either tile
-  static constexpr int kStageElems = Tr::kBlockM * kHeadDim;     // one Q (or dO) stage
-  // A swizzle period is one atom (8 rows): the warp and warpgroup offsets are whole atoms, so the
-  // views and the TMA (which swizzles by address bits) see the pattern the layouts describe.
-  static_assert(kHeadDim % kAtomCols == 0 && kWarpRows % 8 == 0 && kVHalf % (8 * kAtomCols) == 0);
-  static_assert(cosize_v<SmemLayoutdK> <= kStageElems, "dK of a warpgroup must fit in one Q stage");
-  static_assert((kStageElems * int(sizeof(Element))) % 1024 == 0, "stages 1024-byte aligned");
-  // One warpgroup's slice of the dV/dK GEMM (its C layout is thread t_in_wg's part of MmadKV's
-  // warpgroup w rows): the stmatrix tiling of the epilogue.
-  using MmaWg = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<Tr::kHdPass>, Int<Tr::kBlockMSdP>>,
-                           GMMA::Major::K, GMMA::Major::MN>()));
-  using TmaDK = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<BshdView<Element>>(), SmemLayoutdK16{}));
-  using TmaDV = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<BshdView<Element>>(), SmemLayoutdV16{}));
 };
 
 }  // namespace bwd

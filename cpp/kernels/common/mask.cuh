@@ -52,7 +52,7 @@ struct BandMask {
   // block_is_interior(row_lo, row_hi, n0, block_n) for a fixed key block as
   // row_lo >= row_min && row_hi <= row_max (0 <= row_lo <= row_hi < seqlen_q), so that the backward
   // (keys fixed per CTA, query blocks stepped) computes the bounds once per CTA and tests each
-  // sub-step with two compares (switch FA3_BWD_MASK_ROWS): n0 >= row_hi + off - left and
+  // sub-step with two compares (bwd_main.cuh, kMaskRows): n0 >= row_hi + off - left and
   // n0 + block_n - 1 <= row_lo + off + right solved for the rows; a key block that reaches past
   // seqlen_k is never interior (row_min = 2^30 > any row). 32-bit, as right_bound_only_from below:
   // 0 <= n0 < seqlen_k and |left|, |right| <= 2^30, so both bounds lie in (-seqlen_k - 2^30,
@@ -60,6 +60,43 @@ struct BandMask {
   CUTE_HOST_DEVICE void interior_row_range(int n0, int block_n, int& row_min, int& row_max) const {
     row_min = n0 + block_n > seqlen_k ? (1 << 30) : n0 + block_n - 1 - offset() - right;
     row_max = n0 - offset() + left;
+  }
+
+  // The backward's side of the band (a CTA owns a key block and walks the query blocks).
+  // Query blocks [m_begin, m_end) of height block_m holding a row that sees some key of key block
+  // n_block (width block_n); empty (m_begin == m_end == 0) when none does. 64-bit as
+  // key_block_range.
+  CUTE_HOST_DEVICE void query_block_range(int n_block, int block_n, int block_m, int& m_begin,
+                                          int& m_end) const {
+    m_begin = m_end = 0;
+    if ((long long)left + right < 0) return;  // empty band
+    int n0 = n_block * block_n;
+    int n_last = min(n0 + block_n, seqlen_k) - 1;
+    long long lo = (long long)n0 - offset() - right;
+    long long hi = (long long)n_last - offset() + left;
+    if (lo < 0) lo = 0;
+    if (hi > seqlen_q - 1) hi = seqlen_q - 1;
+    if (hi < lo) return;
+    m_begin = int(lo / block_m);
+    m_end = int(hi / block_m) + 1;
+  }
+
+  // The lowest key that query row `row` sees, before clamping to 0 (key_block_range's lower bound):
+  // its key block is the first to add into the row's dQ (the backward's deterministic turns).
+  CUTE_HOST_DEVICE long long first_key(long long row) const { return row + offset() - left; }
+
+  // The element mask of one (query i, key j) in the backward: v = 0 where j lies outside i's band
+  // or past the keys; kKeyBoundOnly (problems without a band): past the keys only. 32-bit:
+  // |i|, |j| < 2^30, and j - i - off is compared with the bounds rather than the bounds formed.
+  // (A value to zero, not a bool: as a predicate the compiler materialised it per element.)
+  template <bool kKeyBoundOnly = false>
+  CUTE_HOST_DEVICE void zero_if_masked(float& v, int i, int j) const {
+    if constexpr (kKeyBoundOnly) {
+      if (j >= seqlen_k) v = 0.f;
+    } else {
+      const int rel = (j - seqlen_k) - (i - seqlen_q);  // j - i - off
+      if (j >= seqlen_k || rel < -left || rel > right) v = 0.f;
+    }
   }
 
   // block_is_interior(row_lo, row_hi, n0, block_n) as n0_lo <= n0 <= n0_hi for n0 >= 0, so that

@@ -146,4 +146,23 @@ CUTE_DEVICE void scale_rows(TO& o, float const (&f)[kRows]) {
   }
 }
 
+// ---- The backward's side: P recomputed from the scores and the forward's LSE, dS, and the
+// softcap's derivative (bwd_main.cuh, bwd_split_d.cuh).
+
+// P = exp2(s * scale_log2 - lse_log2): the probability of score s (raw, or softcap_score()'s)
+// from its row's LSE in the log2 domain (the forward's LSE times log2 e; +inf for rows that saw
+// no key, so that P is exactly 0).
+CUTE_DEVICE float prob_from_lse(float s, float scale_log2, float lse_log2) {
+  return exp2f(s * scale_log2 - lse_log2);
+}
+
+// dS = P o (dP - D), D = rowsum(dO o O): the softmax's backward for one element (p times the
+// softcap's derivative where there is one).
+CUTE_DEVICE float softmax_grad(float p, float dp, float d) { return p * (dp - d); }
+
+// The softcap transform of one score, t = tanh(s * pre_tanh) (apply_softcap's element), and its
+// derivative with respect to s * pre_tanh, 1 - t^2 (the factor on dS).
+CUTE_DEVICE float softcap_score(float s, float pre_tanh) { return tanhf(s * pre_tanh); }
+CUTE_DEVICE float softcap_grad(float t) { return 1.f - t * t; }
+
 }  // namespace fa3

@@ -1,0 +1,59 @@
+// What a backward main kernel (bwd_main.cuh, bwd_split_d.cuh) is given, MainParams, and which
+// unit of work a CTA of the main kernel takes from its 1D grid (cta_work).
+#pragma once
+
+#include "bwd/bwd_epilogue.cuh"
+#include "bwd/bwd_order.cuh"
+#include "bwd/bwd_traits.cuh"
+#include "common/mask.cuh"
+
+namespace fa3 {
+namespace bwd {
+
+template <class Tr>
+struct MainParams {
+  typename BwdLoads<Tr>::TmaQ tma_q;
+  typename BwdLoads<Tr>::TmaQ tma_do;
+  typename BwdLoads<Tr>::TmaK tma_k;
+  typename BwdLoads<Tr>::TmaV tma_v;
+  const float* lse_log2;  // (b, hq, m_blocks * kBlockM), +inf where P must be 0
+  const float* dpsum;     // (b, hq, m_blocks * kBlockM)
+  float* dq_accum;        // (b, hq, m_blocks, chunk, warpgroup, fragment)
+  int* dq_sem;            // (b, hq, m_blocks): deterministic turn counters
+  typename Tr::Element* dk;
+  typename Tr::Element* dv;
+  int batch, seqlen_q, seqlen_k, heads_q, heads_kv, m_blocks;
+  int window_left, window_right;
+  float scale_log2;        // softmax_scale * log2 e, or softcap * log2 e with softcap
+  float pre_tanh;          // softmax_scale / softcap
+  float softmax_scale;
+  int deterministic;
+  BwdTileOrder order;  // the 1D grid's CTA order (bwd_order.cuh)
+  BwdTailSplit split;  // the tail units' CTAs (bwd_order.cuh)
+  float* dkv_part;     // (split slots, 2, kBlockN * head_dim): the tail CTAs' fp32 dK, dV
+  // dK/dV TMA stores over (seqlen_k, head_dim, heads_kv, batch) (store_dkv_tma; placeholders for
+  // traits without kTmaDKV). launch_main's last two initializers (dkv_tma_store).
+  typename DKVStore<Tr>::TmaDK tma_dk;
+  typename DKVStore<Tr>::TmaDV tma_dv;
+
+  // The problem's band (common/mask.cuh).
+  CUTE_HOST_DEVICE BandMask band() const { return BandMask{seqlen_q, seqlen_k, window_left, window_right}; }
+};
+
+// This CTA's work in the main kernel: the unit (key block, kv head, batch), decoded from the 1D
+// grid in the longest-first section order (bwd_order.cuh), and its query blocks [m_begin, m_end);
+// slot >= 0 when it runs a share of a tail unit (BwdTailSplit), its dK/dV workspace slot.
+// Each role calls it after its setmaxnreg.
+template <class Tr>
+CUTE_DEVICE void cta_work(MainParams<Tr> const& p, int& n_block, int& hk, int& b, int& m_begin, int& m_end,
+                          int& slot) {
+  int unit = int(blockIdx.x);
+  slot = -1;
+  if constexpr (kTailSplitOk<Tr>) unit = p.split.unit_of(unit, slot);
+  p.order.decode(unit, n_block, hk, b);
+  p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+  if (slot >= 0) p.split.share(slot, m_begin, m_end);
+}
+
+}  // namespace bwd
+}  // namespace fa3
