@@ -1,5 +1,7 @@
-// Host side of the backward for one (Element, head dim): workspace layout and the three launches
-// (preprocess, main, postprocess) on the caller's stream. No host sync, no allocation, no state.
+// Host side of the backward for one (Element, head dim): the choice of traits (tile table,
+// split-D for hd256, the 80-row hd128 tile for unbanded problems), the workspace layout and the
+// launches (preprocess, main, postprocess, and the dK/dV tail kernel when the last wave is split)
+// on the caller's stream. No host sync, no allocation, no state.
 #pragma once
 
 #include <cuda_runtime_api.h>

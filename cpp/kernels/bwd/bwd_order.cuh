@@ -3,7 +3,7 @@
 //
 // With a causal or local band the work of a CTA depends on its key block: for causal, key block
 // n visits the query blocks from about n * kBlockN / kBlockM to the end, so block 0 is the
-// longest. In the default order the CTAs of one (kv head, batch) run consecutively, long and
+// longest. In the 3D grid's order the CTAs of one (kv head, batch) run consecutively, long and
 // short mixed, and the longest CTA of the last head starts only in the last wave: the tail
 // leaves most SMs idle for up to one longest CTA (estimated ~9-11% of the time at hd128
 // causal 2k-8k). Here the CTAs are numbered in sections of `section` (kv head, batch) pairs;
