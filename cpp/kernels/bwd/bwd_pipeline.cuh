@@ -22,7 +22,7 @@ namespace bwd {
 
 // Named barrier ids (CUTLASS adds its reserved offset of 8; ids 0..7 are ours, 8 in all).
 //   DsFull/DsFree: the two consumer warpgroups around the shared dS tile (256 threads).
-//   DetIn/DetOut: deterministic turn taking in the consumers (atomic dQ path, 256 threads).
+//   DetIn/DetOut: deterministic turn taking in the consumers (dQ without the writer, 256 threads).
 //   DQFull0/1, DQEmpty0/1: consumer warpgroup w and the dQ writer warp (128 + 32 threads).
 enum : uint32_t {
   kBarDsFull = 0, kBarDsFree = 1, kBarDetIn = 2, kBarDetOut = 3,

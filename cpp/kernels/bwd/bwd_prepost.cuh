@@ -6,7 +6,7 @@
 //     clears the block's fp32 dQ accumulator and its deterministic turn counter.
 //   postprocess (same grid): dQ = softmax_scale * accumulator, converted to the input dtype and
 //     written in (batch, seqlen_q, heads, head_dim) layout. The accumulator holds each dQ chunk
-//     in the register-fragment order of the main kernel's dQ WGMMA (so the main kernel's atomics
+//     in the register-fragment order of the main kernel's dQ WGMMA (so its adds and bulk reductions
 //     are 16-byte, fully coalesced); the same tiled MMA's identity partition maps it back.
 //   dK/dV of the split tail units (grid: tail unit x float4 of the fragment; 256 threads; only
 //     when BwdTailSplit splits): the sum of the unit's fp32 workspace slots, in part order.
