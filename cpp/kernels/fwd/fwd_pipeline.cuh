@@ -1,14 +1,15 @@
 // The forward kernel's synchronisation, all of it: the K/V rings, the hand-off of each tile's
-// Q between the producer and the consumer warpgroups, and the named barriers of the ping-pong.
+// Q (and of the tile itself, FwdTile) between the producer and the consumer warpgroups, and the
+// named barriers of the ping-pong.
 //   * K and V: two cutlass::PipelineTmaAsync rings of kStages blocks (full: the TMA landed;
 //     empty: every consumer thread is done with the stage). K apart from V, so that a block's
 //     Q K^T can start before its V has landed. Blocks are produced in lockstep (block j sits in
 //     stage j % kStages of both), so a consumer's one read state serves both rings.
 //   * Q: one buffer (FwdQBuffer: full / empty and the tile slot), or two used by alternate
-//     tiles (kQPrefetch, FwdQBuffers: full[b] / empty[b] and the published tile info[b]), so that
-//     the next tile's Q loads a tile ahead. full completes when the buffer holds the tile (TMA landed, or
-//     a plain arrival for a tile without keys or the end marker); empty when every consumer
-//     thread is past its tile's last Q K^T (one arrival per thread).
+//     tiles (kQPrefetch, FwdQBuffers: full[b] / empty[b] and the published tile info[b]), so
+//     that the next tile's Q loads a tile ahead. full completes when the buffer holds the tile
+//     (TMA landed, or a plain arrival for a tile without keys or the end marker); empty when
+//     every consumer thread is past its tile's last Q K^T (one arrival per thread).
 //   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (FwdPingPong).
 #pragma once
 
@@ -76,6 +77,7 @@ CUTE_DEVICE FwdTile fwd_tile(typename T::Params const& p, int t) {
   return tile;
 }
 
+// Called by one thread before the CTA's first __syncthreads.
 template <class T>
 CUTE_DEVICE void fwd_q_barriers_init(typename T::SharedStorage& ss) {
   using ClusterBarrier = cutlass::arch::ClusterBarrier;
