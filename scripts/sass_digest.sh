@@ -45,7 +45,7 @@ for sass in sorted(glob.glob(os.path.join(out, "*.sass"))):
     spills = dict(re.findall(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill stores", ptxas, re.S))
     for m in re.finditer(r"Function : (\w+)\n(.*?)(?=\n\s*\.{4,}|\Z)", open(sass).read(), re.S):
         name, body = m.group(1), m.group(2)
-        code = "\n".join(re.sub(r"/\*[0-9a-f]{4}\*/", "", l.split(";")[0]).strip()
+        code = "\n".join(re.sub(r"/\*[0-9a-f]+\*/", "", l.split(";")[0]).strip()
                          for l in body.splitlines() if ";" in l)
         digest = hashlib.md5(code.encode()).hexdigest()[:12]
         rows.append(f"{digest} regs={usage.get(name, '?')} spill={spills.get(name, '?')} {name}")
