@@ -4,7 +4,7 @@
 #   scripts/candidate_cycle.sh OUT_DIR BASE_DEFINES
 #   e.g. FA3_HEAD_DIMS_base="64;128" FA3_DTYPES_base=bf16 PYTEST_ARGS="-m gpu tests/test_bwd_gpu.py" \
 #        AB_BENCH_ARGS="--impls jax_fa3 --directions bwd --causal 0 --head-dims 64" \
-#        scripts/candidate_cycle.sh $OUT "FA3_BWD_TAIL_SPLIT=0"
+#        scripts/candidate_cycle.sh $OUT "FA3_EXP_X=1"
 # 1. builds the tree as it is (`cand`, every instantiation unless FA3_HEAD_DIMS_cand etc. narrow
 #    it) and `base` with BASE_DEFINES (narrow it with FA3_HEAD_DIMS_base etc.: only the A/B runs
 #    it; VARIANT_SRC_base=DIR builds base from another source tree, e.g. the commit before a

@@ -100,8 +100,8 @@ struct BandMask {
   }
 
   // block_is_interior(row_lo, row_hi, n0, block_n) as n0_lo <= n0 <= n0_hi for n0 >= 0, so that
-  // a kernel computes the bounds once per tile and tests each block with two compares (forward
-  // switch FA3_FWD_CAUSAL_MASK_1CMP). 32-bit as right_bound_only_from (row_hi < seqlen_q).
+  // a kernel computes the bounds once per tile and tests each block with two compares.
+  // 32-bit as right_bound_only_from (row_hi < seqlen_q).
   CUTE_HOST_DEVICE void interior_key_range(int row_lo, int row_hi, int block_n, int& n0_lo,
                                            int& n0_hi) const {
     n0_lo = max(row_hi + offset() - left, 0);
@@ -130,7 +130,7 @@ struct BandMask {
     }
   }
 
-  // One-compare form of apply() (forward switch FA3_FWD_CAUSAL_MASK_1CMP). True when, for every
+  // One-compare form of apply(). True when, for every
   // query row up to row_hi (the last row the caller masks, padding rows included) and every key
   // from n0 on, neither the left bound nor the seqlen_k end can mask anything:
   //   i + off - left <= n0 <= j           (the left bound reaches past the block's first key)

@@ -39,27 +39,7 @@ CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
   for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
 }
 
-// 2^x for x <= 0 (or -inf) on the FMA pipe, for the share of a block's exponentials that
-// OnlineSoftmax moves off MUFU.EX2 (16/clk/SM, the limit at d = 64). Round x to an integer j
-// with the 1.5 * 2^23 trick (t = x + C: its low mantissa bits hold j), r = x - j in [-0.5, 0.5],
-// 2^r by a degree-3 polynomial fitted for relative error (max 1.1e-4: below the rounding of P
-// to bf16/fp16), then add j to the exponent field. (C << 23) has no bits below 2^32, so
-// bits(t) << 23 == j << 23 and the scaling is one integer multiply-add. x is clamped to -127:
-// -inf (masked scores) gives r = 0, p = 1 and bits 0x3F800000 - (127 << 23) = 0, i.e. +0.0
-// exactly, like exp2f; x in [-127, -126) gives a denormal bit pattern (>= 0, flushed later).
-// NaN maps to 0 (exp2f would give NaN).
-CUTE_DEVICE float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-  x = fmaxf(x, -127.f);
-  float t = x + kRound;
-  float r = x - (t - kRound);
-  float p = fmaf(fmaf(fmaf(0.05459282547f, r, 0.24221783876f), r, 0.69336861372f), r, 1.f);
-  return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
-}
-
-// kEmuEvery > 0: every kEmuEvery-th column of a block is exponentiated by exp2_fma instead of
-// MUFU.EX2 (see above); 0: all by exp2f.
-template <int kRows, int kEmuEvery = 0>
+template <int kRows>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums
@@ -111,11 +91,7 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         float x = fmaf(s(r, c), scale_log2, -m_scaled);
-        if constexpr (kEmuEvery > 0) {
-          s(r, c) = (c % kEmuEvery == kEmuEvery - 1) ? exp2_fma(x) : exp2f(x);
-        } else {
-          s(r, c) = exp2f(x);
-        }
+        s(r, c) = exp2f(x);
         sum += s(r, c);
       }
       row_sum[r] = sum;
