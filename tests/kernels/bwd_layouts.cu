@@ -1,13 +1,18 @@
-// Host check (no GPU) of the backward's register and shared-memory index maps, per head dim:
-// the S^T accumulator re-viewed as the RS-WGMMA A operand of dV/dK holds the same (key, query)
-// elements; the shuffled-statistics column map holds; dQ/dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the
-// chunk exactly once (postprocess inverse); transposed smem views are true transposes; the
-// sub-step views (kBlockMSdP columns of a kBlockM step: hd64 at 128 rows) address the step's tiles.
-// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//   -I cpp/include -I cpp/kernels -I <cutlass include> layout_check.cu -o /tmp/check && /tmp/check
+// Unit test (host only, no GPU) of the backward main kernel's register and shared-memory index
+// maps (bwd_traits.cuh, bwd_main.cuh), per tile of the table and the 80-row hd128 tile:
+//  - the S^T accumulator re-viewed as the RS-WGMMA A operand of dV/dK (acc_as_operand_a) holds
+//    the same (key, query) elements;
+//  - the shuffled-statistics column map (and its segment-lane source) holds;
+//  - dQ and dK/dV fragments pair adjacent columns (vector stores); dQ fragments tile the chunk
+//    exactly once and the accumulator order is a bijection (the writer's bulk reduce and
+//    bwd_postprocess read it so);
+//  - transposed smem views are true transposes; the sub-step views (kBlockMSdP columns of a
+//    kBlockM step: hd64 at 128 rows) address the step's tiles.
+// Run by tests/test_kernel_units.py; exits non-zero on any failure.
+#include "bwd/bwd_traits.cuh"  // first: common/utils.cuh precedes every CuTe header
+
 #include <cstdio>
 #include <cutlass/numeric_types.h>
-#include "bwd/bwd_main.cuh"
 using namespace cute;
 template <class Tr>
 int check() {
@@ -38,7 +43,7 @@ int check() {
         ++bad;
       }
     }
-    // Shuffled statistics (kShuffleStats): element i of the S^T accumulator is query column
+    // Shuffled statistics (bwd_main.cuh, the stat lambda): element i of the S^T accumulator is query column
     // 8 (i / 4) + 2 (lane % 4) + i % 2, which lane (column % 64) / 2 holds in float2 column / 64.
     // A partial last group of 64 columns (80 rows) is read from smem, not shuffled: the kernel's
     // test i / 32 < SM / 64 must select exactly the columns below 64 * (SM / 64).
@@ -111,7 +116,9 @@ int check() {
 }
 template <int HD> using T = fa3::bwd::BwdTraits<cutlass::bfloat16_t, HD, false>;
 int main() {
-  return check<T<64>>() + check<T<96>>() + check<T<128>>() + check<T<192>>() + check<T<256>>() +
-         check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>() +
-         check<fa3::bwd::BwdTraitsHd128Full<cutlass::half_t, false>>();
+  const int bad = check<T<64>>() + check<T<96>>() + check<T<128>>() + check<T<192>>() +
+                  check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>() +
+                  check<fa3::bwd::BwdTraitsHd128Full<cutlass::half_t, false>>();
+  printf("bwd_layouts: %s (%d bad)\n", bad ? "FAIL" : "all pass", bad);
+  return bad != 0;
 }
