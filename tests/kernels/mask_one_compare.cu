@@ -1,20 +1,19 @@
-// Host check (no GPU) of the forward's one-compare mask (FA3_FWD_CAUSAL_MASK_1CMP,
-// common/mask.cuh right_bound_only / apply_right): on the S accumulator of every banded tile
-// width, for all 128 threads of a consumer warpgroup and random shapes and bands, whenever
+// Unit test (host, no GPU) of the forward's one-compare mask (common/mask.cuh right_bound_only /
+// apply_right, as fwd_consumer.cuh FwdTileMask uses them): on the S accumulator of every banded
+// tile width, for all 128 threads of a consumer warpgroup and random shapes and bands, whenever
 // right_bound_only(wrow_lo + 63, n0) holds, apply_right masks exactly the elements that the band
 // definition masks (query i sees key j iff i + off - left <= j <= i + off + right, 0 <= j <
 // seqlen_k), padding rows past seqlen_q included; rows that see no key come out all -inf.
 // It also counts how often the one-compare path is taken for causal problems (it must be every
-// masked block when all of the warpgroup's rows lie below seqlen_q), that it is never claimed
-// for a block where the left bound or the seqlen_k end does cut, and that the kernel's per-tile
-// thresholds (right_bound_only_from, interior_key_range) agree with the per-block tests.
-// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//   -I cpp/include -I cpp/kernels -I <cutlass include> mask_1cmp_check.cu -o /tmp/m_check && /tmp/m_check
+// masked block when all of the warpgroup's rows lie below seqlen_q), checks that it is never
+// claimed for a block where the left bound or the seqlen_k end does cut, and that the per-tile
+// thresholds (right_bound_only_from, interior_key_range) agree with the per-block tests
+// (right_bound_only, block_is_interior).
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cutlass/numeric_types.h>
-#include "fwd/fwd_kernel.cuh"
+#include "fwd/fwd_traits.cuh"
 using namespace cute;
 
 static bool visible(long long i, long long j, fa3::BandMask const& b) {
@@ -24,7 +23,9 @@ static bool visible(long long i, long long j, fa3::BandMask const& b) {
 
 template <int BN>
 int check(long long& taken, long long& causal_blocks, long long& causal_taken) {
-  using Tr = fa3::FwdTraits<cutlass::bfloat16_t, 128, 128, BN, 2, true>;
+  // The banded tiles' key widths: 128 (d = 64, 96, 128), 96 (d = 192), 80 (d = 256); the S
+  // accumulator's layout depends only on the width.
+  using Tr = fa3::FwdTraits<cutlass::bfloat16_t, 128, 128, BN, 2, true, true>;
   typename Tr::MmaQK mma;
   const int U = 1 << 30;
   int wins[] = {U, U, 0, 1, 5, 63, 64, 65, 127, 128, 200, 1000, -1, -5, -64, -130};
@@ -48,7 +49,7 @@ int check(long long& taken, long long& causal_blocks, long long& causal_taken) {
         bool interior = band.block_is_interior(wrow_lo, wrow_hi, n0, BN);
         bool masked = n >= nb && n < ne && !interior;  // the kernel masks these blocks
         bool one = band.right_bound_only(wrow_lo + 63, n0);
-        // The kernel's per-tile forms agree with the per-block tests.
+        // The per-tile thresholds agree with the per-block tests.
         if (one != (n0 >= band.right_bound_only_from(wrow_lo + 63))) ++bad;
         int ilo, ihi;
         band.interior_key_range(wrow_lo, wrow_hi, BN, ilo, ihi);
