@@ -1,12 +1,13 @@
-// Host check (no GPU): the stmatrix tiled copy that writes dS^T covers the (keys, queries) tile
-// exactly once in runs of 8 contiguous queries (what stmatrix rows need in the MN-major dS); with
-// sub-steps (hd64 at 128 rows) the sub-step destinations (flat_divide view, as in bwd_main.cuh)
-// tile the step's whole (keys, kBlockM) tile exactly once.
-// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//   -I cpp/include -I cpp/kernels -I <cutlass include> stsm_check.cu -o /tmp/check && /tmp/check
+// Unit test (host only, no GPU) of the stmatrix tiled copy that writes dS^T in the backward main
+// kernel (bwd_main.cuh, SM90_U32x4_STSM_N over MmaSdP): it covers the (keys, queries) tile exactly
+// once in runs of 8 contiguous queries (what stmatrix rows need in the MN-major dS), each run 16
+// contiguous bytes of SmemLayoutdSt; with sub-steps (hd64 at 128 rows) the sub-step destinations
+// (flat_divide view, as in bwd_main.cuh) tile the step's whole (keys, kBlockM) tile exactly once.
+// Run by tests/test_kernel_units.py; exits non-zero on any failure.
+#include "bwd/bwd_traits.cuh"  // first: common/utils.cuh precedes every CuTe header
+
 #include <cstdio>
 #include <cutlass/numeric_types.h>
-#include "bwd/bwd_main.cuh"
 using namespace cute;
 template <class Tr>
 int check() {
@@ -46,7 +47,11 @@ int check() {
   return bad;
 }
 int main() {
-  return check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 64, false>>() +
-         check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 128, false>>() +
-         check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>();
+  const int bad = check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 64, false>>() +
+                  check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 96, false>>() +
+                  check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 128, false>>() +
+                  check<fa3::bwd::BwdTraits<cutlass::bfloat16_t, 192, false>>() +
+                  check<fa3::bwd::BwdTraitsHd128Full<cutlass::bfloat16_t, false>>();
+  printf("bwd_stsm: %s (%d bad)\n", bad ? "FAIL" : "all pass", bad);
+  return bad != 0;
 }
