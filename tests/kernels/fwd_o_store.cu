@@ -1,19 +1,22 @@
-// Host check (no GPU) of the direct O epilogue's index map (fwd_kernel.cuh, kDirectO): for the
-// P V accumulator of every head dim, viewed as (rows, cols) per thread, columns j and j + 1
-// (j even) are adjacent columns of the same row starting at an even column, the row of (r, j)
-// does not depend on j, and the 128 threads cover the 64 x d tile exactly once; the same for
-// the 8-byte stores of FA3_FWD_O_STORE_8B.
-// Build: nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a \
-//   -I cpp/include -I cpp/kernels -I <cutlass include> o_store_check.cu -o /tmp/o_check && /tmp/o_check
+// Unit test (host, no GPU) of the forward epilogue's O store map (fwd_epilogue.cuh): for the P V
+// accumulator of every forward tile, viewed as (rows, cols) per thread,
+//   * columns j and j + 1 (j even) are adjacent columns of the same row starting at an even
+//     column, the row of (r, j) does not depend on j, and the 128 threads of a warpgroup cover
+//     the 64 x d tile exactly once (what the epilogue's addressing from cO(r, 0) relies on);
+//   * the 8-byte stores: thread t (b = t & 1) stores, per row r and j = 0, 4, 8, ..., the 4
+//     elements at column col(r, 0) + 4 j + 6 b, namely its own pair j / 2 and its partner's
+//     (t ^ 1) pair j / 2 (b = 0), or the partner's pair j / 2 + 1 and its own (b = 1): those are
+//     the columns the two pairs hold, the partner has the same row, and the stores cover the
+//     tile exactly once.
 #include <cstdio>
 #include <vector>
 #include <cutlass/numeric_types.h>
-#include "fwd/fwd_kernel.cuh"
+#include "fwd/fwd_traits.cuh"
 using namespace cute;
 
-template <int D, int BN>
+template <class Tr>
 int check() {
-  using Tr = fa3::FwdTraits<cutlass::bfloat16_t, D, 128, BN, 2, true>;
+  constexpr int D = Tr::kHeadDim;
   typename Tr::MmaPV mma;
   std::vector<int> seen(64 * D, 0);
   int bad = 0;
@@ -34,10 +37,6 @@ int check() {
     }
   }
   for (int v : seen) bad += v != 1;
-  // FA3_FWD_O_STORE_8B: thread t (b = t & 1) stores, per row r and j = 0, 4, 8, ..., the 4
-  // elements at column col(r, 0) + 4 j + 6 b: its own pairs j / 2 (b = 0) or j / 2 + 1 (b = 1)
-  // and the partner's (t ^ 1) other one. Check those are the columns the two pairs hold, and
-  // that the stores cover the tile once.
   std::vector<int> seen8(64 * D, 0);
   for (int t = 0; t < 128; ++t) {
     int b = t & 1;
@@ -58,11 +57,20 @@ int check() {
     }
   }
   for (int v : seen8) bad += v != 1;
-  printf("d=%d: %s\n", D, bad ? "FAIL" : "ok");
-  return bad != 0;
+  printf("  d=%d BN=%d: %s (%d bad)\n", D, Tr::kBlockN, bad ? "FAIL" : "ok", bad);
+  return bad;
 }
 
 int main() {
-  int f = check<64, 128>() + check<96, 128>() + check<128, 176>() + check<192, 96>() + check<256, 80>();
-  return f;
+  using E = cutlass::bfloat16_t;
+  // The forward's tiles (fwd_launch.cuh FwdTileTable): every head dim, each key width it uses.
+  int bad = check<fa3::FwdTraits<E, 64, 128, 128, 4, true, true>>() +
+            check<fa3::FwdTraits<E, 96, 128, 128, 3, true, true>>() +
+            check<fa3::FwdTraits<E, 128, 128, 176, 2, true, false>>() +
+            check<fa3::FwdTraits<E, 128, 128, 128, 3, true, true>>() +
+            check<fa3::FwdTraits<E, 192, 128, 96, 2, false, true>>() +
+            check<fa3::FwdTraits<E, 256, 128, 80, 2, false, true>>() +
+            check<fa3::FwdTraits<E, 256, 128, 64, 2, false, true>>();
+  printf("fwd O store map: 7 tiles checked; %s (%d bad)\n", bad ? "FAIL" : "ok", bad);
+  return bad != 0;
 }
