@@ -1,5 +1,5 @@
-// Host check (no GPU) of the dK/dV epilogue through shared memory and TMA (FA3_BWD_TMA_DKV,
-// bwd_main.cuh store_dkv_tma; DKVStore in bwd_traits.cuh), per one-pass tile:
+// Unit test (host only, no GPU) of the backward's dK/dV epilogue through shared memory and TMA
+// (bwd_epilogue.cuh: DKVStore and store_dkv_tma), per one-pass tile:
 //  - the one-warpgroup stmatrix tiling reads thread t's accumulator registers in an order that puts
 //    every register at its own (key, column) of the two-warpgroup MmadKV C tile, minus 64 w rows;
 //  - each warp writes only its 16 rows, each stmatrix row is 8 columns = 16 contiguous bytes in both
@@ -8,21 +8,21 @@
 //    [64 w, 64 w + 64) exactly (V(64 w + r, c) == w kVHalf + dV(r, c)), the two halves disjoint;
 //    the 16-row views at k kWarpOffset are rows [16 k, 16 k + 16) of the warpgroup tiles;
 //  - the TMA store atoms: a box of kAtomCols x 16 elements, head dim / kAtomCols boxes per tensor,
-//    each box starting on a swizzle period (one 8-row atom) in shared memory.
-// Build (the switch must be on, else DKVStore is the empty placeholder):
-//   nvcc -std=c++17 --expt-relaxed-constexpr -gencode=arch=compute_90a,code=sm_90a -DFA3_BWD_TMA_DKV=1 \
-//     -I cpp/include -I cpp/kernels -I <cutlass include> dkv_store_check.cu -o /tmp/check && /tmp/check
+//    each box starting on a swizzle period (one 8-row atom) in shared memory;
+//  - which tiles take it: every one-pass tile (kTmaDKV), not hd192 (column passes: register stores).
+// Run by tests/test_kernel_units.py; exits non-zero on any failure.
+#include "bwd/bwd_epilogue.cuh"  // first: it includes common/utils.cuh before any CuTe header
+
 #include <cstdio>
 #include <vector>
 #include <cutlass/numeric_types.h>
-#include "bwd/bwd_main.cuh"
 using namespace cute;
 using fa3::bwd::DKVStore;
 
 template <class Tr>
 int check(const char* name) {
   using St = DKVStore<Tr>;
-  static_assert(St::kEnabled, "build with -DFA3_BWD_TMA_DKV=1");
+  static_assert(St::kEnabled, "the tile stores dK/dV through shared memory and TMA");
   using Element = typename Tr::Element;
   constexpr int HD = Tr::kHeadDim, BN = Tr::kBlockN;
   typename Tr::MmadKV mma2;
@@ -129,6 +129,6 @@ int main() {
             check<BwdTraits<bf16, 128, false>>("hd128 bf16") + check<BwdTraits<fp16, 128, true>>("hd128 fp16 softcap") +
             check<BwdTraitsHd128Full<bf16, false>>("hd128 80-row bf16");
   static_assert(!DKVStore<BwdTraits<bf16, 192, false>>::kEnabled, "hd192 (column passes) keeps the register stores");
-  printf("%s\n", bad ? "FAIL" : "all pass");
+  printf("bwd_dkv_store: %s (%d bad)\n", bad ? "FAIL" : "all pass", bad);
   return bad != 0;
 }
