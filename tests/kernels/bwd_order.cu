@@ -1,34 +1,33 @@
-// Host check (no GPU) of the FA3_BWD_LPT CTA order (bwd_order.cuh):
+// Unit test (host, no GPU) of the backward's CTA order and tail split (bwd/bwd_order.cuh):
 //   1. decode is a bijection of [0, num_tiles) onto (key block, kv head, batch), for random
 //      shapes and every section width (also ones that do not divide the head count);
-//   2. section 1 is the default 3D-grid order (key block fastest);
+//   2. section 1 is the 3D grid's order (key block fastest);
 //   3. deterministic safety: for each (kv head, batch), lower key blocks have lower indices;
-//   4. longest first: with a causal band, the work (query blocks visited, query_block_range)
-//      never grows along the linear order inside a section;
-//   5. bwd_order_section: 1 without a band, else a power of two in [1, heads_kv * batch].
+//   4. longest first: with a causal band, the work (query blocks visited,
+//      BandMask::query_block_range) never grows along the linear order inside a section;
+//   5. bwd_order_section: 1 without a band, else a power of two in [1, heads_kv * batch];
 //   6. the tail split (BwdTailSplit): every (unit, query block) is run by exactly one CTA, no CTA
 //      is empty, tail slots are distinct and below num_slots(), only units past the last full
 //      wave split, and the split's modelled makespan is never longer than without it.
-// Then a model of the schedule (132 SMs take CTAs in linear order, a CTA costs a fixed start
-// plus its steps) for the benchmark shapes: default vs LPT makespan, the basis of the NOTES
-// prediction.
-// Build: nvcc -std=c++17 --expt-relaxed-constexpr -I cpp/include -I cpp/kernels -I <cutlass include>
-//   order_check.cu -o /tmp/order_check && /tmp/order_check
+// With the argument --model it also prints a model of the schedule (132 SMs take CTAs in linear
+// order, a CTA costs a fixed start plus its steps) for the benchmark shapes: whole vs split tail,
+// default vs longest-first makespan (informational, not checked).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <queue>
+#include <string>
 #include <vector>
-#include <cutlass/numeric_types.h>
-#include "bwd/bwd_main.cuh"
+#include "bwd/bwd_order.cuh"
+#include "common/mask.cuh"
 #include "fa3/params.h"
 using namespace fa3;
 using namespace fa3::bwd;
 
 static int steps_of(const BandMask& band, int n, int BN, int BM, int group) {
   int mb, me;
-  query_block_range(band, n, BN, BM, mb, me);
+  band.query_block_range(n, BN, BM, mb, me);
   return group * (me - mb);
 }
 
@@ -46,7 +45,7 @@ static double makespan(const std::vector<double>& cost, int sms) {
   return end;
 }
 
-int main() {
+int main(int argc, char** argv) {
   srand(3);
   int bad = 0, cases = 0;
   for (int it = 0; it < 3000; ++it) {
@@ -55,7 +54,7 @@ int main() {
     o.section = 1 + rand() % (total + 2);  // also wider than the head count
     if (it % 5 == 0) o.section = 1;
     std::vector<int> seen(o.num_tiles(), 0), last(total, -1);
-    const int bn = it % 2 ? 128 : 80;  // 80: the split-D hd256 key block (FA3_BWD_HD256_LPT)
+    const int bn = it % 2 ? 128 : 80;  // 80: the split-D (hd256) key block
     const int sq = 1 + rand() % 3000, sk = o.n_blocks * bn - rand() % bn;
     BandMask causal{sq, sk, kUnbounded, 0};
     std::vector<int> prev_work(total + 1, 1 << 30);
@@ -90,7 +89,6 @@ int main() {
     bool banded = wl != kUnbounded || wr != kUnbounded;
     if (s < 1 || s > hkv * batch || (s != hkv * batch && (s & (s - 1))) || (!banded && s != 1)) ++sbad;  // clamped to all heads, else a power of two
   }
-  printf("order: %d tiles checked, %d bad; section widths: %d bad\n", cases, bad, sbad);
 
   // 6. Tail split: coverage, shares, slots; cost model (a CTA costs 2 + its steps, as
   // bwd_tail_split assumes) against the unsplit grid.
@@ -120,8 +118,12 @@ int main() {
     for (int c : covered) if (c != 1) ++tbad;
     if (makespan(cost_split, sms) > makespan(cost_whole, sms) + 1e-9) ++tbad;
   }
-  printf("tail split: 4000 shapes (%d split), %d bad\n", split_cases, tbad);
+  if (bad || sbad || tbad)
+    printf("order: %d bad; section widths: %d bad; tail split: %d bad\n", bad, sbad, tbad);
   bad += tbad;
+  printf("bwd order: %d tiles, 4000 tail splits (%d split) checked; %s (%d bad)\n", cases, split_cases,
+         bad || sbad ? "FAIL" : "ok", bad + sbad);
+  if (argc < 2 || std::string(argv[1]) != "--model") return bad || sbad;
   printf("model (132 SMs, no band, makespan in steps; split / whole):\n");
   for (int hd : {64, 128}) {
     const int bm = hd == 64 ? 128 : 80;  // hd128: the 80-row steps of unbanded problems
@@ -142,11 +144,11 @@ int main() {
   }
 
   // Schedule model: a CTA costs `start` + its steps (one step = one query block of 64 rows).
-  // start ~ 3 steps: K/V load, first Q/dO, dK/dV epilogue (a guess; see NOTES).
+  // start ~ 3 steps: K/V load, first Q/dO, dK/dV epilogue (a guess).
   printf("model (132 SMs, causal, makespan in steps; LPT / default):\n");
   const double start = 3.0;
   for (int hd : {64, 128, 256}) {
-    const int bn = hd == 256 ? 80 : 128;  // hd256: split-D, 80 keys (FA3_BWD_HD256_LPT)
+    const int bn = hd == 256 ? 80 : 128;  // hd256: split-D, 80 keys
     for (int seq : {512, 1024, 2048, 4096, 8192, 16384}) {
       const int batch = 16384 / seq, heads = 2048 / hd;
       const int nb = (seq + bn - 1) / bn;
