@@ -42,9 +42,10 @@ class Options:
 
 
 def flash_options(q, *, softmax_scale, causal, window_size, softcap, deterministic,
-                  implementation) -> Options:
+                  implementation, head_dim_v=None) -> Options:
     """The Options of flash_attention's keyword arguments (shared by ring_attention),
-    validated: errors name the argument. q is a validated (b, sq, hq, d) array."""
+    validated: errors name the argument. q is a validated (b, sq, hq, d) array, `head_dim_v`
+    v's head dim (default q's). The default scale is 1/sqrt(d), q's head dim."""
     _validate.check_implementation(implementation)
     left, right = _masks.band(_validate.check_bool("causal", causal),
                               _validate.check_window(window_size))
@@ -52,7 +53,8 @@ def flash_options(q, *, softmax_scale, causal, window_size, softcap, determinist
     return Options(softmax_scale=scale, softcap=_validate.check_softcap(softcap), left=left,
                    right=right, deterministic=_validate.check_bool("deterministic", deterministic),
                    implementation=resolve_implementation(
-                       implementation, q, unsupported=scale_reasons(scale, "softmax_scale")))
+                       implementation, q, unsupported=scale_reasons(scale, "softmax_scale"),
+                       head_dim_v=head_dim_v))
 
 
 def scale_reasons(scale: float, name: str) -> list[str]:
@@ -63,30 +65,35 @@ def scale_reasons(scale: float, name: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- availability
 
-def unavailable_reason(direction: str = "fwd", dtype=jnp.bfloat16,
-                       head_dim: int = 128) -> str | None:
+def unavailable_reason(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int = 128,
+                       head_dim_v: int | None = None) -> str | None:
     """None when the Hopper kernel for `direction` ('fwd' or 'bwd') can run inputs of this
-    dtype and head dim here; otherwise a sentence saying why. The first reason is the one that
-    matters most: no build or no Hopper GPU, then what the kernels cannot take (dtype, head
-    dim), then a (dtype, head dim) the build did not compile."""
+    dtype and head dims (q/k's `head_dim`, v's `head_dim_v`, default the same) here;
+    otherwise a sentence saying why. The first reason is the one that matters most: no build
+    or no Hopper GPU, then what the kernels cannot take (dtype, a head dim that is not a
+    multiple of 8 up to 256), then a build without a kernel head dim that holds these (a call
+    runs on the smallest compiled head dim >= both)."""
     return (_ffi.extension_reason()
-            or _validate.kernel_input_reason(dtype, head_dim)
-            or _ffi.compiled_reason(direction, dtype, head_dim))
+            or _validate.kernel_input_reason(dtype, head_dim, head_dim_v)
+            or _ffi.compiled_reason(direction, dtype, head_dim, head_dim_v))
 
 
-def kernel_available(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int = 128) -> bool:
-    """True when the Hopper kernel for `direction` can run this dtype and head dim here."""
-    return unavailable_reason(direction, dtype, head_dim) is None
+def kernel_available(direction: str = "fwd", dtype=jnp.bfloat16, head_dim: int = 128,
+                     head_dim_v: int | None = None) -> bool:
+    """True when the Hopper kernel for `direction` can run this dtype and head dims here."""
+    return unavailable_reason(direction, dtype, head_dim, head_dim_v) is None
 
 
-def require_kernel(dtype, head_dim: int, unsupported=()) -> None:
+def require_kernel(dtype, head_dim: int, unsupported=(), head_dim_v: int | None = None) -> None:
     """Raise when implementation='cuda' cannot run a call: RuntimeError when the cause is this
-    machine or build (no extension, no Hopper GPU, no kernel compiled for the dtype and head
-    dim), ValueError when it is the input (dtype, head dim, or an option in `unsupported`, a
-    list of sentences). Every reason is named, the machine's first."""
+    machine or build (no extension, no Hopper GPU, no kernel compiled that holds the dtype and
+    head dims), ValueError when it is the input (dtype, head dims, or an option in
+    `unsupported`, a list of sentences). Every reason is named, the machine's first."""
     machine = _ffi.extension_reason()
-    inputs = [r for r in (_validate.kernel_input_reason(dtype, head_dim), *unsupported) if r]
-    compiled = None if machine or inputs else _ffi.compiled_reason("fwd", dtype, head_dim)
+    inputs = [r for r in (_validate.kernel_input_reason(dtype, head_dim, head_dim_v),
+                          *unsupported) if r]
+    compiled = None if machine or inputs else _ffi.compiled_reason("fwd", dtype, head_dim,
+                                                                   head_dim_v)
     reasons = [r for r in (machine, *inputs, compiled) if r]
     if not reasons:
         return
@@ -95,8 +102,10 @@ def require_kernel(dtype, head_dim: int, unsupported=()) -> None:
                 f"Use implementation=None to fall back to the portable path.")
 
 
-def resolve_implementation(implementation, q, direction: str = "fwd", unsupported=()) -> str:
-    """'cuda' (the kernel) or 'xla' (the portable path) for inputs like q.
+def resolve_implementation(implementation, q, direction: str = "fwd", unsupported=(),
+                           head_dim_v: int | None = None) -> str:
+    """'cuda' (the kernel) or 'xla' (the portable path) for inputs like q (and a v of head
+    dim `head_dim_v`, default q's).
 
     `unsupported`: sentences naming options of the call the kernels cannot take. For the
     forward, implementation='cuda' raises when the kernel cannot run (see `require_kernel`).
@@ -105,18 +114,18 @@ def resolve_implementation(implementation, q, direction: str = "fwd", unsupporte
     if implementation == "xla":
         return "xla"
     if implementation == "cuda" and direction == "fwd":
-        require_kernel(q.dtype, q.shape[-1], unsupported)
+        require_kernel(q.dtype, q.shape[-1], unsupported, head_dim_v)
         return "cuda"
-    if unsupported or unavailable_reason(direction, q.dtype, q.shape[-1]) is not None:
+    if unsupported or unavailable_reason(direction, q.dtype, q.shape[-1], head_dim_v) is not None:
         return "xla"
     return "cuda"
 
 
-def _backward_on_kernel(q, opts: Options, dlse) -> bool:
+def _backward_on_kernel(q, v, opts: Options, dlse) -> bool:
     """The kernel backward runs when the forward ran on the kernel, a backward kernel is built
     for the call, and there is no LSE cotangent (only the portable backward takes one)."""
     return (opts.implementation == "cuda" and dlse is None
-            and unavailable_reason("bwd", q.dtype, q.shape[-1]) is None)
+            and unavailable_reason("bwd", q.dtype, q.shape[-1], v.shape[-1]) is None)
 
 
 # ----------------------------------------------------------------------------- local calls
@@ -132,32 +141,45 @@ def _on_kernel(q, k, kv_lengths) -> bool:
     return kv_lengths is None and not is_empty(q, k)
 
 
-def attention_fwd(q, k, v, opts: Options, kv_lengths=None):
+def attention_fwd(q, k, v, opts: Options, sinks=None, kv_lengths=None):
     """(out, lse) of attention on local arrays, without autodiff rules.
 
-    q (b, sq, hq, d); k, v (b, sk, hkv, d); out like q; lse (b, hq, sq) float32 (natural log;
-    -inf where a query row sees no key, whose out is 0). `kv_lengths` (b,) int32 (the number
-    of valid keys per batch row) runs the portable path. An empty call (seqlen_q, seqlen_k or
-    batch 0) needs no kernel: out 0, lse -inf, gradients 0, whatever the implementation."""
+    q (b, sq, hq, d); k (b, sk, hkv, d); v (b, sk, hkv, dv); out (b, sq, hq, dv) in q's
+    dtype; lse (b, hq, sq) float32 (natural log; -inf where a query row sees no key, whose
+    out is 0). `sinks` None or (hq,) float32 attention-sink logits: each row's softmax
+    denominator gains exp(sinks[h]), lse includes it (a row that sees no key: lse sinks[h]).
+    `kv_lengths` (b,) int32 (the number of valid keys per batch row) runs the portable path.
+    An empty call (seqlen_q, seqlen_k or batch 0) needs no kernel: out 0, lse -inf (or the
+    sink), gradients 0, whatever the implementation."""
     if opts.implementation == "cuda" and _on_kernel(q, k, kv_lengths):
-        return _ops.fwd(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+        return _ops.fwd(q, k, v, sinks, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                         window_left=opts.left, window_right=opts.right)
-    return portable.forward(q, k, v, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                            left=opts.left, right=opts.right, kv_lengths=kv_lengths)
+    return portable.forward(q, k, v, sinks, softmax_scale=opts.softmax_scale,
+                            softcap=opts.softcap, left=opts.left, right=opts.right,
+                            kv_lengths=kv_lengths)
 
 
-def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, kv_lengths=None):
-    """(dq, dk, dv) in the dtypes of q, k, v, without autodiff rules.
+def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
+                  kv_lengths=None):
+    """(dq, dk, dv, dsinks): dq, dk, dv in the dtypes of q, k, v, and the float32 (hq,)
+    gradient of `sinks` (None without sinks), without autodiff rules.
 
     The FlashAttention backward: P = exp(S - lse), D = rowsum(dout * out), dS = P * (dP - D).
     Given the FINAL out/lse of a merged attention (ring chunks) it returns the exact partial
-    gradients of this chunk's q, k, v. `dlse` is an optional LSE cotangent (b, hq, sq), taken
-    by the portable backward; `deterministic` orders the kernel's dQ accumulation (the
-    portable backward always is deterministic)."""
-    if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, opts, dlse):
-        return _ops.bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
-                        softcap=opts.softcap, window_left=opts.left, window_right=opts.right,
-                        deterministic=opts.deterministic)
-    return portable.backward(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
-                             softcap=opts.softcap, left=opts.left, right=opts.right,
-                             kv_lengths=kv_lengths, dlse=dlse)
+    gradients of this chunk's q, k, v; lse includes the sinks, so dq, dk, dv need nothing
+    else of them, and dsinks comes from lse and D (`portable.sinks_grad`). `dlse` is an
+    optional LSE cotangent (b, hq, sq), taken by the portable backward; `deterministic`
+    orders the kernel's dQ accumulation (the portable backward always is deterministic)."""
+    with_d = sinks is not None
+    if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, v, opts, dlse):
+        grads = _ops.bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
+                         softcap=opts.softcap, window_left=opts.left, window_right=opts.right,
+                         deterministic=opts.deterministic, return_dpsum=with_d)
+    else:
+        grads = portable.backward(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
+                                  softcap=opts.softcap, left=opts.left, right=opts.right,
+                                  kv_lengths=kv_lengths, dlse=dlse, return_dpsum=with_d)
+    if not with_d:
+        return (*grads, None)
+    dq, dk, dv, dpsum = grads
+    return dq, dk, dv, portable.sinks_grad(sinks, lse, dpsum, dlse)

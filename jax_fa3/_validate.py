@@ -36,8 +36,9 @@ def _floating(name: str, x):
 
 
 def check_qkv(q, k, v, names=("q", "k", "v")):
-    """Arrays q (b, sq, hq, d), k and v (b, sk, hkv, d) with one float dtype, hq % hkv == 0
-    and 1 <= d <= 256. Returns them as arrays."""
+    """Arrays q (b, sq, hq, d), k (b, sk, hkv, d) and v (b, sk, hkv, dv) with one float dtype,
+    hq % hkv == 0 and 1 <= d, dv <= 256. v's head dim may differ from q's and k's (the output
+    takes v's). Returns them as arrays."""
     nq, nk, nv = names
     q, k, v = as_array(nq, q), as_array(nk, k), as_array(nv, v)
     for name, x, seq in ((nq, q, "seqlen_q"), (nk, k, "seqlen_k"), (nv, v, "seqlen_k")):
@@ -50,9 +51,9 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but {nq} has dtype {q.dtype}; "
                             f"{nq}, {nk} and {nv} must share one dtype")
-    if v.shape != k.shape:
-        raise ValueError(f"{nv} has shape {v.shape}, expected the shape of {nk} {k.shape} "
-                         f"(batch, seqlen_k, heads_kv, head_dim)")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"{nv} has shape {v.shape}, expected the batch, seqlen_k and heads_kv "
+                         f"of {nk} {k.shape} (batch, seqlen_k, heads_kv, head_dim_v)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"batch mismatch: {nq} has shape {q.shape} (batch {q.shape[0]}) but "
                          f"{nk} has shape {k.shape} (batch {k.shape[0]})")
@@ -63,11 +64,28 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"heads of {nq} (shape {q.shape}: {hq} heads) must be a multiple of "
                          f"heads of {nk}/{nv} (shape {k.shape}: {hkv} heads) for GQA/MQA")
-    d = q.shape[3]
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {d} of {nq} (shape {q.shape}) is not supported: expected "
-                         f"1 <= head_dim <= {MAX_HEAD_DIM}")
+    for name, x in ((nq, q), (nv, v)):
+        if not 1 <= x.shape[3] <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim {x.shape[3]} of {name} (shape {x.shape}) is not "
+                             f"supported: expected 1 <= head_dim <= {MAX_HEAD_DIM}")
     return q, k, v
+
+
+def check_sinks(sinks, heads_q: int, name: str = "sinks"):
+    """None, or the attention-sink logits as a float32 (heads_q,) array (any float dtype is
+    accepted; the cast is differentiable, so the cotangent comes back in the caller's dtype).
+    Values are data, not checked: -inf is a sink that takes no weight."""
+    if sinks is None:
+        return None
+    sinks = as_array(name, sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array of shape ({heads_q},) (one "
+                        f"logit per query head), got dtype {sinks.dtype} with shape "
+                        f"{sinks.shape}")
+    if sinks.shape != (heads_q,):
+        raise ValueError(f"{name} must have shape ({heads_q},) (one logit per query head, "
+                         f"heads_q = {heads_q}), got shape {sinks.shape}")
+    return sinks.astype(jnp.float32)
 
 
 def static_float(name: str, x) -> float:
@@ -132,11 +150,14 @@ def check_implementation(implementation):
     return implementation
 
 
-def kernel_input_reason(dtype, head_dim: int) -> str | None:
-    """Why the Hopper kernels cannot take inputs of this dtype and head_dim, or None."""
+def kernel_input_reason(dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """Why the Hopper kernels cannot take inputs of this dtype and head dims (q/k's
+    `head_dim`, v's `head_dim_v`, default the same), or None. Any multiple of 8 up to 256
+    runs, on the smallest compiled kernel head dim that holds both (jax_fa3/_ffi.py)."""
     name = jnp.dtype(dtype).name
     if name not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {name}"
-    if head_dim % 8 != 0 or head_dim > MAX_HEAD_DIM:
-        return f"the kernels need head_dim a multiple of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
+    for label, d in (("head_dim", head_dim), ("head_dim of v", head_dim_v)):
+        if d is not None and (d % 8 != 0 or d > MAX_HEAD_DIM):
+            return f"the kernels need {label} a multiple of 8 up to {MAX_HEAD_DIM}, got {d}"
     return None

@@ -89,6 +89,10 @@ def _as_batched(query, key, value):
     if query.ndim == 3:
         query, key, value = query[None], key[None], value[None]
     q, k, v = _validate.check_qkv(query, key, value, names=("query", "key", "value"))
+    if v.shape != k.shape:  # jax.nn takes one head dim for key and value; so do we here
+        raise ValueError(f"value has shape {v.shape}, expected the shape of key {k.shape}: "
+                         f"the drop-in takes key and value of one head dim, as jax.nn does "
+                         f"(jax_fa3.flash_attention takes a value head dim of its own)")
     return q, k, v, out_shape
 
 

@@ -16,6 +16,12 @@ Masks are a band (left, right) (see jax_fa3/_masks.py): query i sees key j iff
 per-batch number of valid keys `kv_lengths` (b,). A query row that sees no key gets out = 0 and
 lse = -inf, and zero gradients; no NaN anywhere.
 
+v may have its own head dim dv (out takes it). Attention sinks (`sinks`, (hq,) float32, as in
+gpt-oss): each row's softmax denominator gains exp(sinks[h]), like one more key with logit
+sinks[h] and value 0; lse includes it, and a row that sees no key gets out 0 and lse
+sinks[h]. The backward needs no sinks: P = exp(S - lse) with the sink-including lse is exact.
+Their own gradient is `sinks_grad`. A sink of -inf takes no weight (the same as none).
+
 GQA/MQA: q is viewed as (b, sq, heads_kv, group, d); K/V are never repeated.
 """
 
@@ -94,22 +100,80 @@ def _block_size(start, stop, block_k):
     return max(1, min(block_k, stop - start))
 
 
+def _grouped_sinks(sinks, hkv, g):
+    """(hq,) sinks as (1, hkv, g, 1), to broadcast over (b, hkv, g, sq)."""
+    return sinks.astype(jnp.float32).reshape(1, hkv, g, 1)
+
+
+def row_dot(dout, out):
+    """D = rowsum(dout * out) (b, hq, sq) float32, from (b, sq, hq, dv) arrays: the term the
+    backward subtracts from dP, and with the sinks' probabilities their gradient."""
+    acc = jnp.promote_types(out.dtype, jnp.float32)
+    return jnp.einsum("bqhd,bqhd->bhq", dout.astype(acc), out.astype(acc))
+
+
+def sinks_grad(sinks, lse, dpsum, dlse=None):
+    """Gradient of the (hq,) sinks: with p = exp(sinks[h] - lse), the sink's probability in
+    each row, d out/d sink = -p * out and d lse/d sink = p, so
+
+        dsinks[h] = sum over batch and rows of p * (dlse - D),   D = rowsum(dout * out).
+
+    lse (b, hq, sq) is the forward's (sinks included), dpsum = D, dlse the LSE cotangent or
+    None. A sink of -inf has p = 0 (also where lse is -inf); returns float32 (hq,)."""
+    lse = lse.astype(jnp.float32)
+    s = sinks.astype(jnp.float32)[None, :, None]
+    p = jnp.where(s == -jnp.inf, 0.0, jnp.exp(s - jnp.where(s == -jnp.inf, 0.0, lse)))
+    g = -dpsum.astype(jnp.float32)
+    if dlse is not None:
+        g = g + dlse.astype(jnp.float32)
+    return (p * g).sum(axis=(0, 2))
+
+
 # ----------------------------------------------------------------------------- forward
 
-def forward(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UNBOUNDED,
-            right: int = UNBOUNDED, kv_lengths=None, block_k: int = DEFAULT_BLOCK_K):
+def _initial_state(sinks, b, hkv, g, sq, acc):
+    """The online softmax's running (max, sum) before any key: (-inf, 0), or with sinks the
+    sink's own term, (sinks[h], 1) ((-inf, 0) for a sink of -inf). Starting from the sink
+    puts it in the denominator and the lse, and leaves out 0 for a row that sees no key."""
+    shape = (b, hkv, g, sq)
+    if sinks is None:
+        return jnp.full(shape, -jnp.inf, acc), jnp.zeros(shape, acc)
+    m = jnp.broadcast_to(_grouped_sinks(sinks, hkv, g).astype(acc), shape)
+    return m, jnp.where(m == -jnp.inf, 0.0, 1.0).astype(acc)
+
+
+def _finish(m, l, o, out_shape, dtype, lse_dtype):
+    """out = o / l and lse = m + log(l) from the running state (b, hkv, g, sq[, dv]); rows
+    with l = 0 (no key, no sink) get out 0 and lse -inf."""
+    b, sq, hq, dv = out_shape
+    seen = l > 0
+    l_safe = jnp.where(seen, l, 1.0)
+    out = o / l_safe[..., None]
+    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
+    out = jnp.moveaxis(out, 3, 1).reshape(out_shape).astype(dtype)  # (b,h,g,q,d) -> (b,q,h*g,d)
+    return out, lse.reshape(b, hq, sq).astype(lse_dtype)
+
+
+def forward(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
+            left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None,
+            block_k: int = DEFAULT_BLOCK_K):
     """Blockwise attention forward.
 
-    q (b, sq, hq, d); k, v (b, sk, hkv, d), hq % hkv == 0. Returns out (b, sq, hq, d) in
-    q.dtype and lse (b, hq, sq) float32 (natural log; -inf for rows that see no key)."""
+    q (b, sq, hq, d); k (b, sk, hkv, d); v (b, sk, hkv, dv), hq % hkv == 0; sinks None or
+    (hq,) float32. Returns out (b, sq, hq, dv) in q.dtype and lse (b, hq, sq) float32
+    (natural log; -inf for rows that see no key, or sinks[h] with sinks)."""
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
     lse_dtype = jnp.promote_types(jnp.float32, acc)
+    out_shape = (b, sq, hq, dv)
+    refs = (q, k, v) + (() if sinks is None else (sinks,))
+    m, l = _initial_state(sinks, b, hkv, g, sq, acc)
+    o = jnp.zeros((b, hkv, g, sq, dv), acc)
     start, stop = key_range(sq, sk, left, right)
-    if stop == start or 0 in (b, sq, hq, d):
-        return (jnp.zeros(q.shape, dtype), jnp.full((b, hq, sq), -jnp.inf, lse_dtype))
+    if stop == start or 0 in (b, sq, hq, d, dv):
+        return _finish(m, l, o, out_shape, dtype, lse_dtype)
     bk = _block_size(start, stop, block_k)
     qg = q.reshape(b, sq, hkv, g, d)
     qpos = jnp.arange(sq)
@@ -128,41 +192,38 @@ def forward(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = 
         o = alpha[..., None] * o + _mm("bhgqk,bkhd->bhgqd", p, vb, dtype)
         return (m_new, l, o), None
 
-    init = (jnp.full((b, hkv, g, sq), -jnp.inf, acc), jnp.zeros((b, hkv, g, sq), acc),
-            jnp.zeros((b, hkv, g, sq, d), acc))
-    init = tuple(varying_like(x, q, k, v) for x in init)  # inside shard_map with check_vma
+    init = tuple(varying_like(x, *refs) for x in (m, l, o))  # inside shard_map with check_vma
     kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
     (m, l, o), _ = lax.scan(step, init, (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk),
                                          kstarts))
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    out = o / l_safe[..., None]
-    lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)
-    out = jnp.moveaxis(out, 3, 1).reshape(b, sq, hq, d).astype(dtype)  # (b,h,g,q,d) -> (b,q,h*g,d)
-    return out, lse.reshape(b, hq, sq).astype(lse_dtype)
+    return _finish(m, l, o, out_shape, dtype, lse_dtype)
 
 
 # ----------------------------------------------------------------------------- backward
 
 def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 0.0,
              left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None, dlse=None,
-             block_k: int = DEFAULT_BLOCK_K):
+             return_dpsum: bool = False, block_k: int = DEFAULT_BLOCK_K):
     """Blockwise attention backward (FlashAttention-2 style, recomputing P per key block).
 
-    out/lse are the forward's (or a merged attention's final) results; dout the output
-    cotangent; dlse an optional LSE cotangent (b, hq, sq) (d lse / d s = P, so it enters as
-    dS = P * (dP - D + dlse)). Returns (dq, dk, dv) in the dtypes of (q, k, v)."""
+    out/lse are the forward's (or a merged attention's final) results, sinks included: the
+    backward needs no other sign of them. dout the output cotangent; dlse an optional LSE
+    cotangent (b, hq, sq) (d lse / d s = P, so it enters as dS = P * (dP - D + dlse)).
+    Returns (dq, dk, dv) in the dtypes of (q, k, v), and with `return_dpsum` also
+    D = rowsum(dout * out) (b, hq, sq), as the kernel does (for `sinks_grad`)."""
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
+    dpsum = row_dot(dout, out)
+    done = (lambda *grads: (*grads, dpsum)) if return_dpsum else (lambda *grads: grads)
     start, stop = key_range(sq, sk, left, right)
-    if stop == start or 0 in (b, sq, hq, d):
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    if stop == start or 0 in (b, sq, hq, d, dv):
+        return done(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
     bk = _block_size(start, stop, block_k)
     qg = q.reshape(b, sq, hkv, g, d)
-    dog = dout.reshape(b, sq, hkv, g, d)
-    delta = jnp.einsum("bqhgd,bqhgd->bhgq", dog.astype(acc), out.reshape(qg.shape).astype(acc))
+    dog = dout.reshape(b, sq, hkv, g, dv)
+    delta = dpsum.reshape(b, hkv, g, sq)
     if dlse is not None:
         delta = delta - dlse.reshape(b, hkv, g, sq).astype(acc)
     lse = lse.reshape(b, hkv, g, sq).astype(acc)
@@ -189,11 +250,11 @@ def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 
     dq, (dk, dv) = lax.scan(step, dq0,
                             (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk), kstarts))
 
-    def unblock(x, like):  # (n, b, bk, hkv, d) -> (b, sk, hkv, d), zeros outside [start, stop)
-        x = jnp.moveaxis(x, 0, 1).reshape(b, -1, hkv, d)[:, : stop - start]
+    def unblock(x, like):  # (n, b, bk, hkv, e) -> (b, sk, hkv, e), zeros outside [start, stop)
+        x = jnp.moveaxis(x, 0, 1).reshape(b, -1, hkv, like.shape[3])[:, : stop - start]
         return jnp.pad(x, ((0, 0), (start, sk - stop), (0, 0), (0, 0))).astype(like.dtype)
 
-    return dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v)
+    return done(dq.reshape(q.shape).astype(q.dtype), unblock(dk, k), unblock(dv, v))
 
 
 # ----------------------------------------------------------------------------- dense variant
@@ -205,14 +266,15 @@ def _grouped(x, b, hkv, g):
     return x.reshape(x.shape[0], hkv, g, *x.shape[2:])
 
 
-def dense(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UNBOUNDED,
-          right: int = UNBOUNDED, bias=None, mask=None, kv_lengths=None):
+def dense(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
+          left: int = UNBOUNDED, right: int = UNBOUNDED, bias=None, mask=None, kv_lengths=None):
     """Dense attention with an additive `bias` and a boolean `mask` (each 4-D, broadcastable
-    to (b, hq, sq, sk)), on top of the band and kv_lengths. Differentiable by JAX autodiff
-    (including the bias). Returns (out, lse) like `forward`. The bias is added after the
-    softcap; masked entries are excluded, not just pushed to a large negative number."""
+    to (b, hq, sq, sk)), on top of the band and kv_lengths, and optional `sinks`.
+    Differentiable by JAX autodiff (including the bias and the sinks). Returns (out, lse) like
+    `forward`. The bias is added after the softcap; masked entries are excluded, not just
+    pushed to a large negative number."""
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
     qg = q.reshape(b, sq, hkv, g, d)
@@ -225,13 +287,18 @@ def dense(q, k, v, *, softmax_scale: float, softcap: float = 0.0, left: int = UN
     if kv_lengths is not None:
         ok = ok & (jnp.arange(sk) < kv_lengths[:, None])[:, None, None, None, :]
     s = jnp.where(ok, s, -jnp.inf)
-    m = lax.stop_gradient(s.max(axis=-1, keepdims=True))  # softmax is shift invariant
-    m = jnp.where(m == -jnp.inf, 0.0, m)
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:  # one more logit per row, whose value is 0
+        sink = _grouped_sinks(sinks, hkv, g)[..., None].astype(acc)  # (1, hkv, g, 1, 1)
+        m = jnp.maximum(m, sink)
+    m = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))  # softmax is shift invariant
     p = jnp.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)
     seen = l > 0
     l_safe = jnp.where(seen, l, 1.0)
     out = _mm("bhgqk,bkhd->bhgqd", p / l_safe, v, dtype)
     lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
-    out = jnp.moveaxis(out, 3, 1).reshape(b, sq, hq, d).astype(dtype)
+    out = jnp.moveaxis(out, 3, 1).reshape(b, sq, hq, dv).astype(dtype)
     return out, lse.reshape(b, hq, sq).astype(jnp.promote_types(jnp.float32, acc))

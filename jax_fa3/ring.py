@@ -19,6 +19,11 @@ Layouts (how the global sequence is split over the N devices of the axis):
     causal work is equal on every device. Permute global arrays with `zigzag_permute` before
     sharding (and `zigzag_unpermute` the result); `zigzag_positions` gives RoPE positions.
 
+Attention sinks enter once, after the last block: the sink is one more partial, with out 0
+and lse sinks[h], merged like the others. The backward needs them only for their own
+gradient, formed once from the final lse and D = rowsum(dout * out); every ring step uses the
+final lse (which includes the sinks) and is exact without them. v may have its own head dim.
+
 Which block pairs need work is decided statically: for each ring step and each device a small
 planner lists the kernel calls on (query chunk, key chunk) pairs with their shifted mask band
 (see jax_fa3/_masks.py; bounds may be negative), skipping fully masked pairs and calling
@@ -39,10 +44,10 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_fa3 import _core, _validate
+from jax_fa3 import _core, _validate, portable
 from jax_fa3._core import Options
 from jax_fa3._masks import UNBOUNDED
-from jax_fa3._vma import varying_like
+from jax_fa3._vma import varying_like, vma
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
            "ring_attention_fwd", "ring_attention_bwd", "Ring", "STRATEGIES", "LAYOUTS"]
@@ -237,6 +242,13 @@ def merge_partials(o_a, lse_a, o_b, lse_b):
     return o, lse
 
 
+def merge_sinks(o, lse, sinks):
+    """(o, lse) with the attention sinks merged in: one more partial per row, with out 0
+    (a scalar: nothing the size of o is made) and lse sinks[h] of the row's head."""
+    sink_lse = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], lse.shape)
+    return merge_partials(o, lse, jnp.zeros((), o.dtype), sink_lse)
+
+
 def _fwd_calls(calls, opts: Options, q, k, v, acc):
     """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse).
 
@@ -267,7 +279,7 @@ def _bwd_calls(calls, opts: Options, q, k, v, out, lse, dout, dlse, acc):
     `dlse` (or None) adds p * dlse to dS, which splits over key blocks like the rest."""
     dq, dk, dv = acc
     for c in calls:
-        gq, gk, gv = _core.attention_bwd(
+        gq, gk, gv, _ = _core.attention_bwd(
             q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], out[:, c.q0:c.q1],
             lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], opts.with_band(c.left, c.right),
             dlse=None if dlse is None else dlse[:, :, c.q0:c.q1])
@@ -297,15 +309,17 @@ def _ring_perm(n: int):
 
 # ----------------------------------------------------------------------------- fwd / bwd
 
-def ring_attention_fwd(q, k, v, opts: Options, ring: Ring):
-    """Local shards in, local (out in q.dtype, lse float32 (b, hq, sq_local)) out.
+def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None):
+    """Local shards in, local (out (b, sq_local, hq, dv) in q.dtype, lse float32 (b, hq,
+    sq_local)) out; `sinks` None or (hq,) float32, merged once at the end.
 
     The building block of `ring_attention` and of the sharding rules; not differentiable
     (use `ring_attention`)."""
     n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
-    b, _, hq, d = q.shape
-    acc = (jnp.zeros((b, sq, hq, d), jnp.float32), jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
+    b, _, hq, _ = q.shape
+    acc = (jnp.zeros((b, sq, hq, v.shape[3]), jnp.float32),
+           jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
     acc = tuple(varying_like(a, q, k, v) for a in acc)
 
     def run(calls, acc, q, k, v):
@@ -333,12 +347,15 @@ def ring_attention_fwd(q, k, v, opts: Options, ring: Ring):
             (k, v, acc), _ = lax.scan(step, (k, v, acc), jnp.arange(n - 1))
         acc = _switch(ring.axis_name, plans[-1:], run, (acc, q, k, v))  # last block: no send
     o, lse = acc
+    if sinks is not None:
+        o, lse = merge_sinks(o, lse, sinks)
     return o.astype(q.dtype), lse
 
 
 def ring_attention_bwd(q, k, v, out, lse, dout, opts: Options, ring: Ring, dlse=None):
-    """(dq, dk, dv) of the local shards, given the final local out/lse, dout and optionally
-    an LSE cotangent dlse (b, hq, sq_local)."""
+    """(dq, dk, dv) of the local shards, given the final local out/lse (sinks included,
+    when there are sinks: nothing else of them is needed here), dout and optionally an LSE
+    cotangent dlse (b, hq, sq_local)."""
     n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     f32 = jnp.float32
@@ -403,46 +420,61 @@ def _check_inputs(q, k, v, strategy, layout):
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1, -1),
-                   softcap: float = 0.0, softmax_scale: float | None = None,
+                   softcap: float = 0.0, softmax_scale: float | None = None, sinks=None,
                    strategy: str = "ring", layout: str = "contiguous", return_lse: bool = False,
                    deterministic: bool = False, implementation: str | None = None):
     """Attention over a sequence sharded along mesh axis `axis_name`; call inside shard_map.
 
-    q: (batch, seq_q_local, heads_q, head_dim); k, v: (batch, seq_k_local, heads_kv, head_dim)
-    are this device's shards. Masks (`causal`, `window_size`, bottom-right aligned) refer to
+    q: (batch, seq_q_local, heads_q, head_dim); k: (batch, seq_k_local, heads_kv, head_dim);
+    v: (batch, seq_k_local, heads_kv, head_dim_v) are this device's shards; `sinks` None or
+    (heads_q,) attention-sink logits as in `jax_fa3.flash_attention` (the same on every
+    device of the ring). Masks (`causal`, `window_size`, bottom-right aligned) refer to
     the GLOBAL sequence, whose order across devices is `layout` ('contiguous' or 'zigzag',
     see the module docstring; the default 'contiguous' is what sharding a naturally ordered
     array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
     seq_q_local) float32 when `return_lse`); differentiable in q, k, v, through out and lse.
     """
     q, k, v = _check_inputs(q, k, v, strategy, layout)
+    sinks = _validate.check_sinks(sinks, q.shape[2])
     opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap,
-                               deterministic=deterministic, implementation=implementation)
+                               deterministic=deterministic, implementation=implementation,
+                               head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
     ring = Ring(axis_name if isinstance(axis_name, str) else tuple(axis_name), strategy, layout)
-    out, lse = _ring(q, k, v, opts, ring)
+    out, lse = _ring(q, k, v, sinks, opts, ring)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, opts, ring):
-    return ring_attention_fwd(q, k, v, opts, ring)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, sinks, opts, ring):
+    return ring_attention_fwd(q, k, v, opts, ring, sinks=sinks)
 
 
-def _ring_vjp_fwd(q, k, v, opts, ring):
-    q, k, v = q.value, k.value, v.value  # symbolic_zeros=True wraps the primals
-    out, lse = ring_attention_fwd(q, k, v, opts, ring)
-    return (out, lse), (q, k, v, out, lse)
+def _ring_vjp_fwd(q, k, v, sinks, opts, ring):
+    q, k, v, sinks = (getattr(x, "value", x) for x in (q, k, v, sinks))  # symbolic_zeros wraps
+    out, lse = ring_attention_fwd(q, k, v, opts, ring, sinks=sinks)
+    return (out, lse), (q, k, v, sinks, out, lse)
+
+
+def _sinks_grad(sinks, out, lse, dout, dlse):
+    """The sinks' gradient from the final local lse and D: this device's rows' share, summed
+    over the mesh axes it varies over and the sinks do not (shared sinks, rows spread over
+    the ring), so that its type matches the sinks' inside shard_map."""
+    dsinks = portable.sinks_grad(sinks, lse, portable.row_dot(dout, out), dlse)
+    axes = tuple(sorted(vma(dsinks) - vma(sinks), key=str))
+    return lax.psum(dsinks, axes) if axes else dsinks
 
 
 def _ring_vjp_bwd(opts, ring, res, cts):
-    q, k, v, out, lse = res
+    q, k, v, sinks, out, lse = res
     dout, dlse = cts
     if isinstance(dout, SymbolicZero):  # only the lse is differentiated
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    return ring_attention_bwd(q, k, v, out, lse, dout, opts, ring, dlse=dlse)
+    grads = ring_attention_bwd(q, k, v, out, lse, dout, opts, ring, dlse=dlse)
+    dsinks = None if sinks is None else _sinks_grad(sinks, out, lse, dout, dlse)
+    return (*grads, dsinks)
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd, symbolic_zeros=True)

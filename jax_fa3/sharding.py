@@ -8,6 +8,9 @@ when the inputs are sharded under `jax.jit`:
     sharding finer than heads_kv keeps one kv head per device, and the backward sums dK/dV
     over the devices that share it); head_dim is never split;
   * out and dq come back with the query's sharding, lse (b, hq, sq) with the matching one;
+  * attention sinks (hq,) follow the query's head sharding; their gradient is formed from
+    the global lse and D = rowsum(dout * out) outside the local calls (XLA partitions it);
+  * v's head dim may differ from q's (it is never split either);
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
     that mesh axis.
 
@@ -42,7 +45,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jax_fa3 import _core, ring
+from jax_fa3 import _core, _validate, portable, ring
 from jax_fa3._core import Options
 from jax_fa3._ops import _fold_batch_rule
 
@@ -98,6 +101,10 @@ class AttentionShardings:
     def lse(self) -> P:
         return P(_entry(self.batch), _entry(self.heads), _entry(self.seq))
 
+    @property
+    def sinks(self) -> P:  # (hq,): the query heads' sharding
+        return P(_entry(self.heads))
+
 
 def _head_axes(mesh_shape, axes: Axes, heads_q: int, heads_kv: int) -> tuple[Axes, Axes]:
     """(query-head axes, kv-head axes): the longest usable prefix of the query's head axes.
@@ -123,7 +130,8 @@ def _head_axes(mesh_shape, axes: Axes, heads_q: int, heads_kv: int) -> tuple[Axe
 def plan_shardings(mesh_shape: dict, q_spec, q_shape, k_shape) -> AttentionShardings:
     """The shardings of one attention call, decided from the query's PartitionSpec.
 
-    mesh_shape: {axis name: size}; q_shape (b, sq, hq, d); k_shape (b, sk, hkv, d). The
+    mesh_shape: {axis name: size}; q_shape (b, sq, hq, d); k_shape (b, sk, hkv, d) (v's
+    head dim plays no part). The
     query is the authority (outputs come back with its sharding); k/v are resharded to match.
     head_dim is never sharded. A sequence sharding is kept only if it also divides seq_k."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
@@ -148,14 +156,15 @@ def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
     return lax.axis_index(shared) * heads_kv_local // lax.axis_size(shared)
 
 
-def _local_fwd(opts: Options, plan: AttentionShardings, q, k, v):
-    """Per-device forward on local shards (a ring over the sequence axes if sharded)."""
+def _local_fwd(opts: Options, plan: AttentionShardings, q, k, v, sinks=None):
+    """Per-device forward on local shards (a ring over the sequence axes if sharded); sinks
+    are this device's query heads' (or None)."""
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
-        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq))
-    return _core.attention_fwd(q, k, v, opts)
+        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq), sinks=sinks)
+    return _core.attention_fwd(q, k, v, opts, sinks=sinks)
 
 
 def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout, dlse=None):
@@ -169,7 +178,7 @@ def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout,
         dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts, _ring(plan.seq),
                                              dlse=dlse)
     else:
-        dq, dk, dv = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse)
+        dq, dk, dv, _ = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse)
     if plan.kv_shared:
         def gather(d, full):  # put this device's kv-head gradient in place, sum over sharers
             d = lax.dynamic_update_slice_in_dim(jnp.zeros(full.shape, jnp.float32),
@@ -181,9 +190,11 @@ def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout,
 
 # ----------------------------------------------------------------------------- custom_partitioning
 
-def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False) -> tuple[str, dict]:
+def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
+                   with_sinks: bool = False, v_shape=None) -> tuple[str, dict]:
     """Shardy rule: batch b, seq s (t for keys if the lengths differ), query heads h, kv heads
-    k, head_dim d never sharded.
+    k, head dims d (q, k) and e (v, out; d again when they are equal) never sharded; the
+    forward's sinks (h).
 
     Query and kv heads are separate factors rather than the compound "(k g)": when the
     query-head sharding is finer than heads_kv, Shardy would split the mesh axis into
@@ -191,13 +202,16 @@ def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False) ->
     before our callback runs). `plan_shardings` keeps the two consistent instead."""
     hk = "h" if q_shape[2] == k_shape[2] else "k"
     t = "s" if q_shape[1] == k_shape[1] else "t"
+    e = "d" if v_shape is None or v_shape[3] == q_shape[3] else "e"
     q, kv, lse = "b s h d", f"b {t} {hk} d", "b h s"
+    o, vv = f"b s h {e}", f"b {t} {hk} {e}"
     if backward:
         dlse = f", {lse}" if with_dlse else ""
-        rule = f"{q}, {kv}, {kv}, {q}, {lse}, {q}{dlse} -> {q}, {kv}, {kv}"
+        rule = f"{q}, {kv}, {vv}, {o}, {lse}, {o}{dlse} -> {q}, {kv}, {vv}"
     else:
-        rule = f"{q}, {kv}, {kv} -> {q}, {lse}"
-    return rule, dict(need_replication_factors=("d",))
+        sinks = ", h" if with_sinks else ""
+        rule = f"{q}, {kv}, {vv}{sinks} -> {o}, {lse}"
+    return rule, dict(need_replication_factors=tuple(dict.fromkeys(("d", e))))
 
 
 def _mesh_shape(mesh) -> dict:
@@ -218,12 +232,13 @@ def _named(mesh, specs):
     return tuple(NamedSharding(mesh, s) for s in specs)
 
 
-def _cp_fwd(opts: Options, q_shape, k_shape):
-    """custom_partitioning forward for one set of static options."""
+def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool):
+    """custom_partitioning forward for one set of static options (operands q, k, v and,
+    when with_sinks, the sinks)."""
 
     @custom_partitioning
-    def op(q, k, v):
-        return _local_fwd(opts, AttentionShardings(), q, k, v)
+    def op(*args):
+        return _local_fwd(opts, AttentionShardings(), *args)
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
@@ -231,16 +246,22 @@ def _cp_fwd(opts: Options, q_shape, k_shape):
 
     def partition(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
-        lower = lambda q, k, v: _local_fwd(opts, plan, q, k, v)
+        lower = lambda *args: _local_fwd(opts, plan, *args)
         return (mesh, lower, _named(mesh, (plan.q, plan.lse)),
-                _named(mesh, (plan.q, plan.kv, plan.kv)))
+                _named(mesh, _fwd_in_specs(plan, with_sinks)))
 
-    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False)
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False, with_sinks=with_sinks,
+                                  v_shape=v_shape)
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
 
 
-def _cp_bwd(opts: Options, q_shape, k_shape, with_dlse: bool):
+def _fwd_in_specs(plan: AttentionShardings, with_sinks: bool):
+    """Specs of (q, k, v[, sinks])."""
+    return (plan.q, plan.kv, plan.kv) + ((plan.sinks,) if with_sinks else ())
+
+
+def _cp_bwd(opts: Options, q_shape, k_shape, v_shape, with_dlse: bool):
     """custom_partitioning backward for one set of static options (operands q, k, v, out,
     lse, dout and, when with_dlse, the LSE cotangent)."""
 
@@ -258,7 +279,8 @@ def _cp_bwd(opts: Options, q_shape, k_shape, with_dlse: bool):
         return (mesh, lower, _named(mesh, (plan.q, plan.kv, plan.kv)),
                 _named(mesh, _bwd_in_specs(plan, with_dlse)))
 
-    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True, with_dlse=with_dlse)
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True, with_dlse=with_dlse,
+                                  v_shape=v_shape)
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
 
@@ -303,43 +325,54 @@ def may_partition() -> bool:
     return mesh.empty or any(t != AxisType.Manual for t in mesh.axis_types)
 
 
-def partitioned_attention_fwd(q, k, v, opts: Options):
+def partitioned_attention_fwd(q, k, v, opts: Options, sinks=None):
     """`jax_fa3._core.attention_fwd` that partitions as one local call per device."""
+    args = (q, k, v) + (() if sinks is None else (sinks,))
+    with_sinks = sinks is not None
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
-        body = lambda plan, q, k, v: _local_fwd(opts, plan, q, k, v)
-        return _shard_map_call(mesh, body, plan, (q, k, v), (plan.q, plan.kv, plan.kv),
+        body = lambda plan, *xs: _local_fwd(opts, plan, *xs)
+        return _shard_map_call(mesh, body, plan, args, _fwd_in_specs(plan, with_sinks),
                                (plan.q, plan.lse))
     op = jax.custom_batching.custom_vmap(
-        lambda q, k, v: tuple(_cp_fwd(opts, q.shape, k.shape)(q, k, v)))
-    return _fold_batch_rule(op)(q, k, v)
+        lambda *xs: tuple(_cp_fwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_sinks)(*xs)))
+    return _fold_batch_rule(op, num_shared=int(with_sinks))(*args)
 
 
-def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None):
-    """`jax_fa3._core.attention_bwd` that partitions as one local call per device."""
+def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None):
+    """`jax_fa3._core.attention_bwd` that partitions as one local call per device: returns
+    (dq, dk, dv, dsinks). The sinks' gradient, a sum over batch and rows, is formed here on
+    the global arrays (XLA partitions it along lse's sharding), not in the local calls."""
     args = (q, k, v, out, lse, dout) + ((dlse,) if dlse is not None else ())
     with_dlse = dlse is not None
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
         body = lambda plan, *xs: _local_bwd(opts, plan, *xs)
-        return _shard_map_call(mesh, body, plan, args, _bwd_in_specs(plan, with_dlse),
-                               (plan.q, plan.kv, plan.kv))
-    op = jax.custom_batching.custom_vmap(
-        lambda *xs: tuple(_cp_bwd(opts, xs[0].shape, xs[1].shape, with_dlse)(*xs)))
-    return _fold_batch_rule(op)(*args)
+        dq, dk, dv = _shard_map_call(mesh, body, plan, args, _bwd_in_specs(plan, with_dlse),
+                                     (plan.q, plan.kv, plan.kv))
+    else:
+        op = jax.custom_batching.custom_vmap(lambda *xs: tuple(
+            _cp_bwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_dlse)(*xs)))
+        dq, dk, dv = _fold_batch_rule(op)(*args)
+    dsinks = None if sinks is None else portable.sinks_grad(
+        sinks, lse, portable.row_dot(dout, out), dlse)
+    return dq, dk, dv, dsinks
 
 
 def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head_axis=None,
                                causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                               softmax_scale: float | None = None, strategy: str = "ring",
-                               layout: str = "contiguous", return_lse: bool = False,
-                               deterministic: bool = False, implementation=None):
+                               softmax_scale: float | None = None, sinks=None,
+                               strategy: str = "ring", layout: str = "contiguous",
+                               return_lse: bool = False, deterministic: bool = False,
+                               implementation=None):
     """Attention on global arrays whose sequence is sharded over `seq_axis` of `mesh`.
 
-    q: (batch, seq_q, heads_q, head_dim), k/v: (batch, seq_k, heads_kv, head_dim), laid out
-    as P(batch_axis, seq_axis, head_axis, None) (inputs are resharded to that if needed).
+    q: (batch, seq_q, heads_q, head_dim), k: (batch, seq_k, heads_kv, head_dim), v: (batch,
+    seq_k, heads_kv, head_dim_v), laid out as P(batch_axis, seq_axis, head_axis, None)
+    (inputs are resharded to that if needed); `sinks` None or (heads_q,) attention-sink
+    logits, laid out as P(head_axis).
     With layout='zigzag' the arrays must already be in zig-zag order
     (`jax_fa3.ring.zigzag_permute(x, mesh.shape[seq_axis])`), and so is the result.
     Differentiable; usable inside or outside `jax.jit`. Returns out, or (out, lse).
@@ -355,16 +388,20 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
                          f"divisible by the size of head_axis {head_axis!r}")
     qs = P(batch_axis, seq_axis, head_axis, None)
     lse_spec = P(batch_axis, head_axis, seq_axis)
+    args, specs = (q, k, v), (qs, qs, qs)
+    if sinks is not None:  # checked here for its shape, so that shard_map's error is ours
+        sinks = _validate.check_sinks(sinks, q.shape[2])
+        args, specs = args + (sinks,), specs + (P(head_axis),)
 
-    def body(q, k, v):
+    def body(q, k, v, sinks=None):
         return ring.ring_attention(q, k, v, axis_name=seq_axis, causal=causal,
                                    window_size=window_size, softcap=softcap,
-                                   softmax_scale=softmax_scale, strategy=strategy, layout=layout,
-                                   return_lse=return_lse, deterministic=deterministic,
-                                   implementation=implementation)
+                                   softmax_scale=softmax_scale, sinks=sinks, strategy=strategy,
+                                   layout=layout, return_lse=return_lse,
+                                   deterministic=deterministic, implementation=implementation)
 
     if mesh.explicit_axes:  # shard_map wants inputs typed with exactly these shardings
-        q, k, v = (jax.sharding.reshard(x, NamedSharding(mesh, qs)) for x in (q, k, v))
+        args = tuple(jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs))
     out_specs = (qs, lse_spec) if return_lse else qs
-    return jax.shard_map(body, mesh=mesh, in_specs=(qs, qs, qs), out_specs=out_specs,
-                         check_vma=False)(q, k, v)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                         check_vma=False)(*args)
