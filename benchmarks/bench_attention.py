@@ -3,13 +3,16 @@
 Implementations (all called from JAX, all in this one process):
   jax_fa3  jax_fa3.flash_attention(..., implementation="cuda")
   jax_fa3_det  the same with deterministic=True (the cost of ordered dQ accumulation)
+  jax_fa3_sinks  the same with attention sinks (one logit per head; their gradient included)
   cudnn    jax.nn.dot_product_attention(..., implementation="cudnn")
   xla      jax.nn.dot_product_attention(..., implementation="xla")  (dense; skipped above --xla-max-seqlen)
   fa3      flash_attn3_jax.flash_mha (FA3's own kernels; head dim 128; only when importable)
 
 Grid (the FA3 paper's): batch * seqlen = --tokens (16384), heads * head_dim = --hidden (2048),
-seqlen 512..16384, causal and not, head dims 64/128/256.
-FLOPs: forward 4 * batch * heads * unmasked_pairs * head_dim; backward 2.5x that.
+seqlen 512..16384, causal and not, head dims 64/128/256. --heads fixes the head count instead
+(to compare head dims at one shape); --head-dim-v gives v its own head dim (MLA's 192/128).
+FLOPs: forward 2 * batch * heads * unmasked_pairs * (head_dim + head_dim_v) (Q K^T and P V; 4 *
+... * head_dim when they are equal); backward 2.5x that.
 
 How it times: each measurement jit-compiles a `lax.fori_loop` of N dependent calls (each
 iteration's q passes an optimization barrier together with one element of the previous
@@ -67,6 +70,15 @@ def attention_fn(impl: str, causal: bool):
     if impl == "jax_fa3":
         import jax_fa3
         return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal, implementation="cuda")
+    if impl == "jax_fa3_sinks":
+        import jax_fa3
+
+        def with_sinks(q, k, v):
+            # Sinks taken from q, so that the backward's pullback (over q, k, v) also computes
+            # their gradient, as training does; the slice and its scatter are negligible.
+            sinks = q[0, 0, :, 0].astype(jnp.float32)
+            return jax_fa3.flash_attention(q, k, v, causal=causal, sinks=sinks, implementation="cuda")
+        return with_sinks
     if impl == "jax_fa3_det":
         import jax_fa3
         return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal, deterministic=True,
@@ -168,14 +180,15 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
     Returns one record per implementation (median ms per call, TFLOP/s, cross-check)."""
     head_dim, seqlen, causal, direction = (point[x] for x in ("head_dim", "seqlen", "causal",
                                                                 "direction"))
-    flops = 4 * point["batch"] * point["heads"] * unmasked_pairs(seqlen, causal) * head_dim
+    flops = (2 * point["batch"] * point["heads"] * unmasked_pairs(seqlen, causal)
+             * (head_dim + point["head_dim_v"]))
     flops *= 2.5 if direction == "bwd" else 1.0
     reference = None  # the first finite result of this point: the others must match it
     ready = []  # (record, run, n)
     for impl in args.impls:
         if impl == "xla" and seqlen > args.xla_max_seqlen:
             continue
-        if impl == "fa3" and head_dim != 128:
+        if impl == "fa3" and (head_dim != 128 or point["head_dim_v"] != 128):
             continue
         rec = dict(impl=impl, **point)
         try:
@@ -215,7 +228,7 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
         ms = statistics.median(times)
         rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
                    ms_rounds=[round(t, 4) for t in times])
-        print(f"  {rec['impl']:8s} {direction} hd{head_dim:3d} s{seqlen:5d} b{point['batch']:2d} "
+        print(f"  {rec['impl']:8s} {direction} hd{hd_label(rec)} s{seqlen:5d} b{point['batch']:2d} "
               f"h{point['heads']:2d} causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s",
               flush=True)
     return [rec for rec, _, _ in ready]
@@ -225,32 +238,48 @@ def run_grid(args) -> list[dict]:
     dtype = jnp.dtype(args.dtype)
     records = []
     for head_dim in args.head_dims:
+        head_dim_v = args.head_dim_v or head_dim
         for seqlen in args.seqlens:
             shape = grid_shape(head_dim, seqlen, args.tokens, args.hidden)
+            if args.heads:
+                shape = (shape[0], seqlen, args.heads, head_dim)
             batch, _, heads, _ = shape
             kq, kk, kv = jax.random.split(jax.random.key(seqlen * 1000 + head_dim), 3)
-            q, k, v = (jax.random.normal(key, shape, dtype) for key in (kq, kk, kv))
+            q, k = (jax.random.normal(key, shape, dtype) for key in (kq, kk))
+            v = jax.random.normal(kv, (*shape[:3], head_dim_v), dtype)
             for causal in args.causal:
                 for direction in args.directions:
-                    point = dict(dtype=dtype.name, head_dim=head_dim, seqlen=seqlen, batch=batch,
-                                 heads=heads, causal=causal, direction=direction)
+                    point = dict(dtype=dtype.name, head_dim=head_dim, head_dim_v=head_dim_v,
+                                 seqlen=seqlen, batch=batch, heads=heads, causal=causal,
+                                 direction=direction)
                     records += time_point(args, point, q, k, v)
     return records
 
 
+IMPLS = ("jax_fa3", "jax_fa3_det", "jax_fa3_sinks", "cudnn", "fa3", "xla")
+
+
+def hd_label(r: dict) -> str:
+    """The head dim of a record, "192/128" when v's differs from q's and k's."""
+    dv = r.get("head_dim_v", r["head_dim"])
+    return str(r["head_dim"]) if dv == r["head_dim"] else f"{r['head_dim']}/{dv}"
+
+
+def _key(r: dict):
+    return r["direction"], r["head_dim"], r.get("head_dim_v", r["head_dim"]), r["causal"], r["seqlen"]
+
+
 def markdown(records: list[dict], header: str) -> str:
-    """One row per (direction, head dim, causal, seqlen); TFLOP/s per impl and jax_fa3's ratios."""
-    impls = [i for i in ("jax_fa3", "jax_fa3_det", "cudnn", "fa3", "xla") if any(r["impl"] == i for r in records)]
+    """One row per (direction, head dims, causal, seqlen); TFLOP/s per impl and jax_fa3's ratios."""
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in records)]
     peers = [i for i in impls if i != "jax_fa3"]
     cols = ["dir", "hd", "causal", "seqlen"] + impls + [f"vs {p}" for p in peers]
     lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    keys = sorted({(r["direction"], r["head_dim"], r["causal"], r["seqlen"]) for r in records})
-    for key in keys:
-        by = {r["impl"]: r["tflops"] for r in records
-              if (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
-        row = [key[0], str(key[1]), "yes" if key[2] else "no", str(key[3])]
-        suspect = {r["impl"] for r in records if r.get("suspect")
-                   and (r["direction"], r["head_dim"], r["causal"], r["seqlen"]) == key}
+    for key in sorted({_key(r) for r in records}):
+        at = [r for r in records if _key(r) == key]
+        by = {r["impl"]: r["tflops"] for r in at}
+        row = [key[0], hd_label(at[0]), "yes" if key[3] else "no", str(key[4])]
+        suspect = {r["impl"] for r in at if r.get("suspect")}
         row += [f"{by[i]:.1f}{' (wrong result)' if i in suspect else ''}" if i in by else "-" for i in impls]
         row += [f"{by['jax_fa3'] / by[p]:.2f}x" if "jax_fa3" in by and p in by
                 and not suspect & {"jax_fa3", p} else "-" for p in peers]
@@ -283,7 +312,7 @@ def plot(records: list[dict], path: Path) -> None:
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.4 * rows), squeeze=False)
     for ax, (direction, causal, hd) in zip(axes.flat, panels):
-        for impl in ("jax_fa3", "jax_fa3_det", "cudnn", "fa3", "xla"):
+        for impl in IMPLS:
             pts = sorted((r["seqlen"], r["tflops"]) for r in records if r["impl"] == impl
                          and (r["direction"], r["causal"], r["head_dim"]) == (direction, causal, hd))
             if pts:
@@ -321,6 +350,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
     p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim")
+    p.add_argument("--heads", type=int, default=0, help="fixed head count (0: hidden // head_dim)")
+    p.add_argument("--head-dim-v", type=int, default=0, help="v's head dim (0: the head dim)")
     p.add_argument("--xla-max-seqlen", type=int, default=2048)
     p.add_argument("--target-ms", type=float, default=40.0)
     p.add_argument("--repeats", type=int, default=3)

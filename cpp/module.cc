@@ -18,7 +18,7 @@ nb::dict build_info() {
   nb::dict info;
   nb::list fwd, bwd;
   for (auto [dtype, name] : {std::pair{fa3::DType::kBF16, "bfloat16"}, std::pair{fa3::DType::kFP16, "float16"}})
-    for (int hd : {64, 96, 128, 192, 256}) {
+    for (int hd : fa3::kKernelHeadDims) {
       if (fa3::fwd_compiled(dtype, hd)) fwd.append(nb::make_tuple(name, hd));
       if (fa3::bwd_compiled(dtype, hd)) bwd.append(nb::make_tuple(name, hd));
     }

@@ -70,20 +70,34 @@ def extension_reason() -> str | None:
     return "; ".join(r for r in (_device_reason(), build) if r) or None
 
 
-def compiled_reason(direction: str, dtype, head_dim: int) -> str | None:
-    """None when the build holds a `direction` kernel for this dtype and head dim (or there is
-    no build: `extension_reason` says so); otherwise a sentence saying what it holds."""
+def kernel_head_dim(direction: str, dtype, head_dim: int, head_dim_v: int | None = None) -> int | None:
+    """The compiled head dim a `direction` call with these head dims runs on: the smallest one
+    of this dtype that holds both q/k's `head_dim` and v's `head_dim_v` (the kernels' loads
+    zero-fill the columns past them and their stores clip). None when no compiled one does (or
+    there is no build)."""
     if _fa3_cuda is None:
         return None
+    need = max(int(head_dim), int(head_dim if head_dim_v is None else head_dim_v))
     name = jax.numpy.dtype(dtype).name
-    compiled = _compiled(direction)
-    if (name, int(head_dim)) in compiled:
+    fits = [d for n, d in _compiled(direction) if n == name and d >= need]
+    return min(fits) if fits else None
+
+
+def compiled_reason(direction: str, dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """None when the build holds a `direction` kernel for this dtype that holds these head
+    dims (or there is no build: `extension_reason` says so); otherwise a sentence saying what
+    it holds."""
+    if _fa3_cuda is None or kernel_head_dim(direction, dtype, head_dim, head_dim_v) is not None:
         return None
-    return (f"no {direction} kernel compiled for dtype {name} and head_dim {head_dim} "
-            f"(compiled: {list(compiled) or 'none'})")
+    name = jax.numpy.dtype(dtype).name
+    dims = f"head_dim {head_dim}" if head_dim_v in (None, head_dim) else \
+        f"head dims {head_dim} (q, k) and {head_dim_v} (v)"
+    return (f"no {direction} kernel compiled for dtype {name} and {dims} (compiled: "
+            f"{list(_compiled(direction)) or 'none'}; a call runs on the smallest compiled "
+            f"head dim that holds its own)")
 
 
-def unavailable_reason(direction: str, dtype, head_dim: int) -> str | None:
-    """None when the kernel for `direction` ('fwd' or 'bwd') can run this dtype and head dim
+def unavailable_reason(direction: str, dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
+    """None when the kernel for `direction` ('fwd' or 'bwd') can run this dtype and head dims
     on the default device; otherwise a sentence saying why not (the machine first)."""
-    return extension_reason() or compiled_reason(direction, dtype, head_dim)
+    return extension_reason() or compiled_reason(direction, dtype, head_dim, head_dim_v)

@@ -2,7 +2,9 @@
 
 Each op has a batching rule (`custom_vmap`) that folds the mapped axis into the batch axis, so
 `vmap` runs one kernel launch over the whole stack instead of a loop. Inputs follow the layout
-of `jax_fa3.params.h`: q/out/dout (b, sq, hq, d); k/v (b, sk, hkv, d); lse (b, hq, sq) float32.
+of `cpp/include/fa3/params.h`: q/dq (b, sq, hq, d); k/dk (b, sk, hkv, d); v/dv (b, sk, hkv, dv);
+out/dout (b, sq, hq, dv); lse (b, hq, sq) float32. Any head dims that are multiples of 8 up to
+256 run on the smallest compiled kernel that holds them (jax_fa3/_ffi.py, kernel_head_dim).
 Masks arrive normalised: causal is window_right == 0, -1 means unbounded.
 """
 
@@ -16,18 +18,27 @@ from jax.custom_batching import custom_vmap
 from jax_fa3 import _ffi
 
 
-def _fold_batch_rule(op):
+def _fold_batch_rule(op, num_shared: int = 0):
     """Batching rule for an op whose every operand and result leads with the batch axis:
     (n, b, ...) -> (n * b, ...) on the way in, back on the way out. Unbatched operands are
-    broadcast over n first. Calls `op` again, so nested vmaps fold repeatedly."""
+    broadcast over n first. Calls `op` again, so nested vmaps fold repeatedly.
+
+    The last `num_shared` operands (the per-head sinks) have no batch axis: unbatched, every
+    element of the vmapped stack shares them; batched (their own sinks per element), the stack
+    runs one element at a time (lax.map), since one launch takes one set of sinks."""
 
     def rule(axis_size, in_batched, *args):
-        flat = []
-        for arg, batched in zip(args, in_batched):
-            if not batched:
-                arg = jnp.broadcast_to(arg, (axis_size, *arg.shape))
-            flat.append(arg.reshape((axis_size * arg.shape[1], *arg.shape[2:])))
-        outs = op(*flat)
+        n_lead = len(args) - num_shared
+
+        def stacked(arg, batched):
+            return arg if batched else jnp.broadcast_to(arg, (axis_size, *arg.shape))
+
+        if any(in_batched[n_lead:]):
+            outs = jax.lax.map(lambda xs: op(*xs), tuple(map(stacked, args, in_batched)))
+            return tuple(outs), (True,) * len(outs)
+        lead = map(stacked, args[:n_lead], in_batched)
+        outs = op(*(a.reshape((axis_size * a.shape[1], *a.shape[2:])) for a in lead),
+                  *args[n_lead:])
         outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size, *o.shape[1:])) for o in outs)
         return outs, (True,) * len(outs)
 
@@ -46,38 +57,58 @@ def _options(softmax_scale: float, softcap: float, window_left: int, window_righ
 _FWD_WORKSPACE = jax.ShapeDtypeStruct((4,), jnp.int32)
 
 
-def fwd(q, k, v, *, softmax_scale: float, softcap: float, window_left: int, window_right: int):
-    """Kernel forward: returns (out, lse)."""
+def _no_sinks():
+    """The sinks operand of a call without sinks: empty (the handler reads none)."""
+    return jnp.zeros((0,), jnp.float32)
+
+
+def fwd(q, k, v, sinks=None, *, softmax_scale: float, softcap: float, window_left: int,
+        window_right: int):
+    """Kernel forward: returns (out, lse); out (b, sq, hq, dv) takes v's head dim.
+
+    `sinks`: None, or (hq,) float32 attention-sink logits, one per query head: a row's softmax
+    denominator gains exp(sinks[h]) (in the units of the scaled scores) and its lse includes it.
+    A row that sees no key then has out 0 and lse = sinks[h]."""
     attrs = _options(softmax_scale, softcap, window_left, window_right)
 
     @custom_vmap
-    def op(q, k, v):
+    def op(q, k, v, sinks):
         b, sq, hq, _ = q.shape
         call = jax.ffi.ffi_call(
             _ffi.FWD_TARGET,
-            (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, hq, sq), jnp.float32),
-             _FWD_WORKSPACE),
+            (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
+             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
             vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
         )
-        out, lse, _ = call(q, k, v, **attrs)
+        out, lse, _ = call(q, k, v, sinks, **attrs)
         return out, lse
 
-    return _fold_batch_rule(op)(q, k, v)
+    sinks = _no_sinks() if sinks is None else sinks.astype(jnp.float32)
+    return _fold_batch_rule(op, num_shared=1)(q, k, v, sinks)
 
 
 def bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float, window_left: int,
-        window_right: int, deterministic: bool):
-    """Kernel backward: returns (dq, dk, dv) in the dtypes of (q, k, v)."""
+        window_right: int, deterministic: bool, return_dpsum: bool = False):
+    """Kernel backward: returns (dq, dk, dv) in the dtypes of (q, k, v), and with
+    `return_dpsum` also D = rowsum(dout * out) (b, hq, sq) float32, the row sums the kernel
+    computes anyway (the sinks' gradient is -sum over rows of exp(sinks - lse) * D).
+
+    `lse` is the forward's (with the sinks in it, when there are sinks): the kernel needs no
+    other sign of them."""
     attrs = _options(softmax_scale, softcap, window_left, window_right)
 
     @custom_vmap
     def op(q, k, v, out, lse, dout):
+        b, sq, hq, _ = q.shape
+        dpsum_shape = (b, hq, sq) if return_dpsum else (b, 0)  # (b, 0): not written
         call = jax.ffi.ffi_call(
             _ffi.BWD_TARGET,
             (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-             jax.ShapeDtypeStruct(v.shape, v.dtype)),
+             jax.ShapeDtypeStruct(v.shape, v.dtype),
+             jax.ShapeDtypeStruct(dpsum_shape, jnp.float32)),
             vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
         )
         return tuple(call(q, k, v, out, dout, lse, deterministic=bool(deterministic), **attrs))
 
-    return _fold_batch_rule(op)(q, k, v, out, lse, dout)
+    dq, dk, dv, dpsum = _fold_batch_rule(op)(q, k, v, out, lse, dout)
+    return (dq, dk, dv, dpsum) if return_dpsum else (dq, dk, dv)

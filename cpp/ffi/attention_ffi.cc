@@ -44,29 +44,54 @@ ffi::Error check_same(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer like, c
   return ffi::Error::Success();
 }
 
-// Shape of (q, k, v) as the kernels see it, checked.
+// Shape of (q, k, v) as the kernels see it, checked. v's head dim may differ from q's and k's.
 ffi::Error attention_shape(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, DType* dtype,
                            AttentionShape* s) {
   if (auto e = element_dtype(q, dtype); e.failure()) return e;
-  auto qd = q.dimensions(), kd = k.dimensions();
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4) return invalid("q must be (batch, seqlen_q, heads, head_dim), got " + dims_str(qd));
   if (kd.size() != 4) return invalid("k must be (batch, seqlen_k, heads_kv, head_dim), got " + dims_str(kd));
+  if (vd.size() != 4) return invalid("v must be (batch, seqlen_k, heads_kv, head_dim_v), got " + dims_str(vd));
   if (k.element_type() != q.element_type()) return invalid("k must have the dtype of q");
-  if (auto e = check_same("v", v, k, "k"); e.failure()) return e;
+  if (v.element_type() != q.element_type()) return invalid("v must have the dtype of q");
   s->batch = static_cast<int>(qd[0]);
   s->seqlen_q = static_cast<int>(qd[1]);
   s->heads_q = static_cast<int>(qd[2]);
   s->head_dim = static_cast<int>(qd[3]);
   s->seqlen_k = static_cast<int>(kd[1]);
   s->heads_kv = static_cast<int>(kd[2]);
+  s->head_dim_v = static_cast<int>(vd[3]);
   if (kd[0] != qd[0] || kd[3] != qd[3])
     return invalid("k " + dims_str(kd) + " must match q " + dims_str(qd) + " in batch and head_dim");
+  if (vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2])
+    return invalid("v " + dims_str(vd) + " must match k " + dims_str(kd) + " in batch, seqlen_k and heads_kv");
   if (s->heads_kv == 0 || s->heads_q % s->heads_kv != 0)
     return invalid("heads of q (" + std::to_string(s->heads_q) + ") must be a multiple of heads of k (" +
                    std::to_string(s->heads_kv) + ")");
   if (s->seqlen_q < 1 || s->seqlen_k < 1 || s->batch < 1)
     return invalid("batch and seqlens must be positive, got q " + dims_str(qd) + ", k " + dims_str(kd));
+  // TMA needs 16-byte rows; the stores write 8-column pieces.
+  for (int d : {s->head_dim, s->head_dim_v})
+    if (d < 8 || d % 8 != 0 || d > 256)
+      return invalid("head dims must be multiples of 8 up to 256, got q " + dims_str(qd) + ", v " + dims_str(vd));
   return ffi::Error::Success();
+}
+
+// The (b, sq, hq, head_dim_v) shape of out and dout.
+ffi::Error check_out_shape(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer q, const AttentionShape& s) {
+  auto d = x.dimensions();
+  if (x.element_type() != q.element_type()) return invalid(std::string(name) + " must have the dtype of q");
+  if (d.size() != 4 || d[0] != s.batch || d[1] != s.seqlen_q || d[2] != s.heads_q || d[3] != s.head_dim_v)
+    return invalid(std::string(name) + " has shape " + dims_str(d) + ", expected (batch, seqlen_q, heads_q, " +
+                   "head_dim of v) = (" + std::to_string(s.batch) + ", " + std::to_string(s.seqlen_q) + ", " +
+                   std::to_string(s.heads_q) + ", " + std::to_string(s.head_dim_v) + ")");
+  return ffi::Error::Success();
+}
+
+std::string head_dims_str(const AttentionShape& s) {
+  return s.head_dim == s.head_dim_v ? "head_dim " + std::to_string(s.head_dim)
+                                    : "head dims " + std::to_string(s.head_dim) + " (q, k) and " +
+                                          std::to_string(s.head_dim_v) + " (v)";
 }
 
 ffi::Error attention_options(float softmax_scale, float softcap, int32_t window_left,
@@ -96,19 +121,23 @@ ffi::Error device_sms(int* num_sms) {
 }
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    ffi::Result<ffi::Buffer<ffi::S32>> workspace, float softmax_scale, float softcap,
                    int32_t window_left, int32_t window_right) {
   FwdParams p;
   if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
   if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
     return e;
-  if (auto e = check_same("out", *out, q, "q"); e.failure()) return e;
+  if (auto e = check_out_shape("out", *out, q, p.shape); e.failure()) return e;
+  auto sd = sinks.dimensions();
+  if (sd.size() != 1 || (sd[0] != 0 && sd[0] != p.shape.heads_q))
+    return invalid("sinks must be float32 (heads_q,) = (" + std::to_string(p.shape.heads_q) + ",) or empty, got " +
+                   dims_str(sd));
   auto ld = lse->dimensions();
   if (ld.size() != 3 || ld[0] != p.shape.batch || ld[1] != p.shape.heads_q || ld[2] != p.shape.seqlen_q)
     return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
-  if (!fwd_compiled(p.dtype, p.shape.head_dim))
-    return invalid("no forward kernel compiled for head_dim " + std::to_string(p.shape.head_dim) +
+  if (fwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v) == 0)
+    return invalid("no forward kernel compiled for " + head_dims_str(p.shape) +
                    " and this dtype (see jax_fa3.build_info())");
   if (auto e = device_sms(&p.num_sms); e.failure()) return e;
   p.q = q.untyped_data();
@@ -116,6 +145,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.v = v.untyped_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
+  p.sinks = sd[0] == 0 ? nullptr : sinks.typed_data();
   if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
     if (workspace->size_bytes() < bytes)
       return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
@@ -129,22 +159,28 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
                    ffi::Buffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> dq,
-                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale,
+                   ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dpsum, float softmax_scale,
                    float softcap, int32_t window_left, int32_t window_right, bool deterministic) {
   BwdParams p;
   if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
   if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
     return e;
-  if (auto e = check_same("out", out, q, "q"); e.failure()) return e;
-  if (auto e = check_same("dout", dout, q, "q"); e.failure()) return e;
+  if (auto e = check_out_shape("out", out, q, p.shape); e.failure()) return e;
+  if (auto e = check_out_shape("dout", dout, q, p.shape); e.failure()) return e;
   if (auto e = check_same("dq", *dq, q, "q"); e.failure()) return e;
   if (auto e = check_same("dk", *dk, k, "k"); e.failure()) return e;
   if (auto e = check_same("dv", *dv, v, "v"); e.failure()) return e;
   auto ld = lse.dimensions();
   if (ld.size() != 3 || ld[0] != p.shape.batch || ld[1] != p.shape.heads_q || ld[2] != p.shape.seqlen_q)
     return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
-  if (!bwd_compiled(p.dtype, p.shape.head_dim))
-    return invalid("no backward kernel compiled for head_dim " + std::to_string(p.shape.head_dim) +
+  auto pd = dpsum->dimensions();
+  const bool want_dpsum = pd.size() == 3;
+  if (!(want_dpsum && pd[0] == p.shape.batch && pd[1] == p.shape.heads_q && pd[2] == p.shape.seqlen_q) &&
+      !(pd.size() == 2 && pd[1] == 0))
+    return invalid("dpsum must be float32 (batch, heads, seqlen_q) or (batch, 0) for none, got " + dims_str(pd));
+  if (bwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v) == 0)
+    return invalid("no backward kernel compiled for " + head_dims_str(p.shape) +
                    " and this dtype (see jax_fa3.build_info())");
   if (auto e = device_sms(&p.num_sms); e.failure()) return e;
   p.deterministic = deterministic;
@@ -157,6 +193,7 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   p.dq = dq->untyped_data();
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
+  p.dpsum = want_dpsum ? dpsum->typed_data() : nullptr;
   if (size_t bytes = bwd_workspace_bytes(p); bytes > 0) {
     // XLA's FFI allocator accepts alignments up to 16 (its allocations are 256-aligned anyway);
     // the backward needs 16 (TMA bulk copies, float4 atomics).
@@ -179,8 +216,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this op
         .Arg<ffi::AnyBuffer>()                     // q    (b, sq, hq, d)
         .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d)
-        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, d)
-        .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, d)
+        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, dv)
+        .Arg<ffi::Buffer<ffi::F32>>()              // sinks (hq) or (0): none
+        .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
         .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes): tile counter
         .Attr<float>("softmax_scale")
@@ -196,13 +234,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::ScratchAllocator>()              // dQ accumulator and row sums
         .Arg<ffi::AnyBuffer>()                     // q    (b, sq, hq, d)
         .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d)
-        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, d)
-        .Arg<ffi::AnyBuffer>()                     // out  (b, sq, hq, d)
-        .Arg<ffi::AnyBuffer>()                     // dout (b, sq, hq, d)
+        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, dv)
+        .Arg<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
+        .Arg<ffi::AnyBuffer>()                     // dout (b, sq, hq, dv)
         .Arg<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Ret<ffi::AnyBuffer>()                     // dq   (b, sq, hq, d)
         .Ret<ffi::AnyBuffer>()                     // dk   (b, sk, hkv, d)
-        .Ret<ffi::AnyBuffer>()                     // dv   (b, sk, hkv, d)
+        .Ret<ffi::AnyBuffer>()                     // dv   (b, sk, hkv, dv)
+        .Ret<ffi::Buffer<ffi::F32>>()              // dpsum (b, hq, sq): rowsum(dout o out); (b, 0): none
         .Attr<float>("softmax_scale")
         .Attr<float>("softcap")
         .Attr<int32_t>("window_left")

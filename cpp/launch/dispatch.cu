@@ -1,6 +1,9 @@
-// Maps (dtype, head_dim) to the instantiations this build compiled (listed in the generated
-// fa3_configs.inc). An uncompiled combination returns cudaErrorNotSupported; the FFI handler
-// checks fwd_compiled()/bwd_compiled() first and reports it by name.
+// Maps (dtype, head dims) to the instantiations this build compiled (listed in the generated
+// fa3_configs.inc): a call runs on the smallest compiled head dim that holds both of its head dims
+// (q/k's and v's). None: cudaErrorNotSupported; the FFI handler checks *_kernel_head_dim() first
+// and reports it by name.
+#include <algorithm>
+
 #include <cutlass/numeric_types.h>
 
 #include "fa3/launch.h"
@@ -28,44 +31,54 @@ bool bwd_compiled(DType dtype, int head_dim) {
   return false;
 }
 
+int fwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
+  for (int d : kKernelHeadDims)
+    if (d >= std::max(head_dim, head_dim_v) && fwd_compiled(dtype, d)) return d;
+  return 0;
+}
+
+int bwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
+  for (int d : kKernelHeadDims)
+    if (d >= std::max(head_dim, head_dim_v) && bwd_compiled(dtype, d)) return d;
+  return 0;
+}
+
 size_t fwd_workspace_bytes(const FwdParams& p) {
+  const int d = fwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v);
 #undef FA3_BWD_CONFIG
 #define FA3_BWD_CONFIG(Element, kDType, kHeadDim)
 #undef FA3_FWD_CONFIG
-#define FA3_FWD_CONFIG(Element, kDType, kHeadDim)              \
-  if (p.dtype == DType::kDType && p.shape.head_dim == kHeadDim) \
-    return fwd_workspace_bytes_impl<Element, kHeadDim>(p);
+#define FA3_FWD_CONFIG(Element, kDType, kHeadDim) \
+  if (p.dtype == DType::kDType && d == kHeadDim) return fwd_workspace_bytes_impl<Element, kHeadDim>(p);
 #include "fa3_configs.inc"
   return 0;
 }
 
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t stream) {
-#undef FA3_BWD_CONFIG
-#define FA3_BWD_CONFIG(Element, kDType, kHeadDim)
+  const int d = fwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v);
 #undef FA3_FWD_CONFIG
-#define FA3_FWD_CONFIG(Element, kDType, kHeadDim)              \
-  if (p.dtype == DType::kDType && p.shape.head_dim == kHeadDim) \
-    return run_fwd_impl<Element, kHeadDim>(p, stream);
+#define FA3_FWD_CONFIG(Element, kDType, kHeadDim) \
+  if (p.dtype == DType::kDType && d == kHeadDim) return run_fwd_impl<Element, kHeadDim>(p, stream);
 #include "fa3_configs.inc"
   return cudaErrorNotSupported;
 }
 
 size_t bwd_workspace_bytes(const BwdParams& p) {
+  const int d = bwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v);
 #undef FA3_FWD_CONFIG
 #define FA3_FWD_CONFIG(Element, kDType, kHeadDim)
 #undef FA3_BWD_CONFIG
-#define FA3_BWD_CONFIG(Element, kDType, kHeadDim)              \
-  if (p.dtype == DType::kDType && p.shape.head_dim == kHeadDim) \
-    return bwd_workspace_bytes_impl<Element, kHeadDim>(p);
+#define FA3_BWD_CONFIG(Element, kDType, kHeadDim) \
+  if (p.dtype == DType::kDType && d == kHeadDim) return bwd_workspace_bytes_impl<Element, kHeadDim>(p);
 #include "fa3_configs.inc"
   return 0;
 }
 
 cudaError_t run_bwd(const BwdParams& p, cudaStream_t stream) {
+  const int d = bwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v);
 #undef FA3_BWD_CONFIG
-#define FA3_BWD_CONFIG(Element, kDType, kHeadDim)              \
-  if (p.dtype == DType::kDType && p.shape.head_dim == kHeadDim) \
-    return run_bwd_impl<Element, kHeadDim>(p, stream);
+#define FA3_BWD_CONFIG(Element, kDType, kHeadDim) \
+  if (p.dtype == DType::kDType && d == kHeadDim) return run_bwd_impl<Element, kHeadDim>(p, stream);
 #include "fa3_configs.inc"
   return cudaErrorNotSupported;
 }

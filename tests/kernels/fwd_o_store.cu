@@ -7,7 +7,9 @@
 //     elements at column col(r, 0) + 4 j + 6 b, namely its own pair j / 2 and its partner's
 //     (t ^ 1) pair j / 2 (b = 0), or the partner's pair j / 2 + 1 and its own (b = 1): those are
 //     the columns the two pairs hold, the partner has the same row, and the stores cover the
-//     tile exactly once.
+//     tile exactly once;
+//   * the clipped stores (out's head dim dv < d, a multiple of 8): the stores whose first column is
+//     below dv write exactly the columns below dv, once each.
 #include <cstdio>
 #include <vector>
 #include <cutlass/numeric_types.h>
@@ -57,6 +59,19 @@ int check() {
     }
   }
   for (int v : seen8) bad += v != 1;
+  for (int dv = 8; dv <= D; dv += 8) {
+    std::vector<int> seen_dv(64 * D, 0);
+    for (int t = 0; t < 128; ++t) {
+      auto cO = fa3::rowcol_view(mma.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<D>>{})));
+      for (int r = 0; r < size<0>(cO); ++r)
+        for (int j = 0; j < size<1>(cO); j += 4) {
+          int col = get<1>(cO(r, 0)) + 4 * j + 6 * (t & 1);
+          if (col < dv)
+            for (int e = 0; e < 4; ++e) seen_dv[get<0>(cO(r, 0)) * D + col + e]++;
+        }
+    }
+    for (int i = 0; i < 64 * D; ++i) bad += seen_dv[i] != (i % D < dv ? 1 : 0);
+  }
   if (bad) printf("  d=%d BN=%d: FAIL (%d bad)\n", D, Tr::kBlockN, bad);
   return bad;
 }

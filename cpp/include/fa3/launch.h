@@ -10,9 +10,17 @@
 
 namespace fa3 {
 
+// The head dims that have a tile table, ascending (CMake's FA3_HEAD_DIMS picks among them).
+constexpr int kKernelHeadDims[] = {64, 96, 128, 192, 256};
+
 // Whether an instantiation for this (dtype, head_dim) was compiled into this build.
 bool fwd_compiled(DType dtype, int head_dim);
 bool bwd_compiled(DType dtype, int head_dim);
+
+// The compiled head dim a call with these head dims (q/k's, v's) runs on: the smallest
+// instantiation of this dtype at least as large as both; 0 when this build has none.
+int fwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v);
+int bwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v);
 
 // Bytes of workspace the forward needs for these params (a tile counter for the dynamic
 // schedule, or 0), at most kFwdWorkspaceBytes; the caller provides it as params.workspace.

@@ -10,17 +10,24 @@ namespace fa3 {
 enum class DType : int { kBF16 = 0, kFP16 = 1 };
 
 // Shapes shared by forward and backward. Tensors are dense row-major:
-//   q, out, dout, dq : (batch, seqlen_q, heads_q,  head_dim)
-//   k, v, dk, dv     : (batch, seqlen_k, heads_kv, head_dim)
-//   lse              : (batch, heads_q, seqlen_q) float32
+//   q, dq     : (batch, seqlen_q, heads_q,  head_dim)
+//   k, dk     : (batch, seqlen_k, heads_kv, head_dim)
+//   v, dv     : (batch, seqlen_k, heads_kv, head_dim_v)
+//   out, dout : (batch, seqlen_q, heads_q,  head_dim_v)
+//   lse       : (batch, heads_q, seqlen_q) float32
 // GQA/MQA: query head h reads key/value head h / (heads_q / heads_kv).
+// Head dims are multiples of 8 (16-byte rows for TMA) up to 256. A call runs on the smallest
+// compiled kernel head dim that holds both (kernel_head_dim in fa3/launch.h): its loads zero-fill
+// the columns past a tensor's own head dim and its stores clip them, so nothing is padded in
+// memory (MLA's 192/128 runs on the 192 kernel, head dim 80 on the 96 kernel).
 struct AttentionShape {
   int batch = 0;
   int seqlen_q = 0;
   int seqlen_k = 0;
   int heads_q = 0;
   int heads_kv = 0;
-  int head_dim = 0;
+  int head_dim = 0;    // of q and k
+  int head_dim_v = 0;  // of v and out
 };
 
 // Masking and scaling options. The mask is a band around the bottom-right-aligned diagonal:
@@ -54,6 +61,10 @@ struct FwdParams {
   const void* v = nullptr;
   void* out = nullptr;
   float* lse = nullptr;
+  // Attention sinks (heads_q) float32, or nullptr: the softmax of each row of query head h also
+  // takes a key whose logit (in the units of the scaled scores) is sinks[h] and whose value is
+  // zero (gpt-oss). The LSE includes it; the backward needs only that LSE.
+  const float* sinks = nullptr;
   // Device memory of at least fwd_workspace_bytes() (0: none needed): the FFI call's workspace
   // result, so that the handler needs no scratch allocator and stays command-buffer compatible.
   void* workspace = nullptr;
@@ -74,6 +85,9 @@ struct BwdParams {
   void* dq = nullptr;
   void* dk = nullptr;
   void* dv = nullptr;
+  // (batch, heads_q, seqlen_q) float32 or nullptr: receives D = rowsum(dout o out), which the
+  // gradient of the attention sinks needs (jax_fa3/_ops.py).
+  float* dpsum = nullptr;
   // Scratch from the FFI ScratchAllocator, sized by bwd_workspace_bytes().
   void* workspace = nullptr;
   int num_sms = 0;  // multiprocessors of the device, for the main kernel's tail split (bwd_order.cuh)

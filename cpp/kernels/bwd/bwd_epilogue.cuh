@@ -147,29 +147,33 @@ CUTE_DEVICE void store_dkv_tma(P const& p, typename Tr::SharedStorage& ss, FragK
 
 // dK (scaled) and dV of one column pass (columns [pass * kHdPass, (pass + 1) * kHdPass)) straight
 // from the accumulators: registers i, i + 1 hold adjacent columns of one key, so each thread
-// writes 4-byte pairs; keys past seqlen_k are skipped. tdKVc: the (key, column) coordinates of
+// writes 4-byte pairs; keys past seqlen_k and columns past dK's or dV's head dim are skipped. tdKVc: the (key, column) coordinates of
 // the accumulator elements; n0 the CTA's first key.
 template <class Tr, class P, class FragK, class FragV, class Coord>
 CUTE_DEVICE void store_dkv_registers(P const& p, FragK const& tdKrdK, FragV const& tdVrdV, Coord const& tdKVc,
                                      int n0, int pass, int hk, int b) {
   using Element = typename Tr::Element;
-  constexpr int kHeadDim = Tr::kHeadDim;
-  const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
-  Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
-  Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
+  const int64_t kv_row = int64_t(b) * p.seqlen_k * p.heads_kv + hk;  // (b, key 0, hk)
+  Element* dk = p.dk + kv_row * p.head_dim;
+  Element* dv = p.dv + kv_row * p.head_dim_v;
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(tdKrdK); i += 2) {
     const int key = n0 + get<0>(tdKVc(i));
     const int col = pass * Tr::kHdPass + get<1>(tdKVc(i));  // col, col + 1 in registers i, i+1
     if (key < p.seqlen_k) {
-      const int64_t off = int64_t(key) * kv_stride_row + col;
-      cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(tdKrdK(i) * p.softmax_scale);
-      k2[1] = Element(tdKrdK(i + 1) * p.softmax_scale);
-      v2[0] = Element(tdVrdV(i));
-      v2[1] = Element(tdVrdV(i + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + off) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + off) = v2;
+      const int64_t rows = int64_t(key) * p.heads_kv;
+      if (col < p.head_dim) {
+        cutlass::Array<Element, 2> k2;
+        k2[0] = Element(tdKrdK(i) * p.softmax_scale);
+        k2[1] = Element(tdKrdK(i + 1) * p.softmax_scale);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + rows * p.head_dim + col) = k2;
+      }
+      if (col < p.head_dim_v) {
+        cutlass::Array<Element, 2> v2;
+        v2[0] = Element(tdVrdV(i));
+        v2[1] = Element(tdVrdV(i + 1));
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + rows * p.head_dim_v + col) = v2;
+      }
     }
   }
 }
@@ -214,15 +218,16 @@ CUTE_DEVICE void store_dkv(P const& p, typename Tr::SharedStorage& ss, FragK& td
 // adjacent registers are adjacent keys, and with 160 of them live per-element global stores
 // spilled (their addresses and key predicates are hoisted). Instead: dK (scaled) and dV to shared
 // memory as (key, d) rows over the dead K and Q tiles (each address = a per-thread base + a
-// constant), then 16-byte coalesced global stores of the valid key rows. All 256 consumer threads.
+// constant), then 16-byte coalesced global stores of the valid key rows and columns. All 256
+// consumer threads.
 template <class Tr, class P, class FragK, class FragV, class Coord>
 CUTE_DEVICE void store_dkv_split_d(P const& p, typename Tr::SharedStorage& ss, FragK const& tdKrdK,
                                    FragV const& tdVrdV, Coord const& tdKVc, int n0, int hk, int b, int ct) {
   using Element = typename Tr::Element;
   constexpr int kHeadDim = Tr::kHeadDim;
-  const int64_t kv_stride_row = int64_t(p.heads_kv) * kHeadDim;
-  Element* dk = p.dk + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
-  Element* dv = p.dv + (int64_t(b) * p.seqlen_k * p.heads_kv + hk) * kHeadDim;
+  const int64_t kv_row = int64_t(b) * p.seqlen_k * p.heads_kv + hk;  // (b, key 0, hk)
+  Element* dk = p.dk + kv_row * p.head_dim;
+  Element* dv = p.dv + kv_row * p.head_dim_v;
   cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);  // both WGs done with K, Q
   Element* sdk = ss.q.data();  // 64 KB >= 40 KB
   Element* sdv = ss.k.data();  // exactly 80 x 256
@@ -237,10 +242,12 @@ CUTE_DEVICE void store_dkv_split_d(P const& p, typename Tr::SharedStorage& ss, F
   const int n_vec = min(Tr::kBlockN, p.seqlen_k - n0) * kVecRow;
   #pragma unroll 1
   for (int c = ct; c < n_vec; c += Tr::kNumMmaThreads) {
-    const int r = c / kVecRow, col = (c % kVecRow) * 8;
-    const int64_t off = int64_t(n0 + r) * kv_stride_row + col;
-    *reinterpret_cast<uint4*>(dk + off) = *reinterpret_cast<const uint4*>(sdk + r * kHeadDim + col);
-    *reinterpret_cast<uint4*>(dv + off) = *reinterpret_cast<const uint4*>(sdv + r * kHeadDim + col);
+    const int r = c / kVecRow, col = (c % kVecRow) * 8;  // head dims are multiples of 8
+    const int64_t rows = int64_t(n0 + r) * p.heads_kv;
+    if (col < p.head_dim)
+      *reinterpret_cast<uint4*>(dk + rows * p.head_dim + col) = *reinterpret_cast<const uint4*>(sdk + r * kHeadDim + col);
+    if (col < p.head_dim_v)
+      *reinterpret_cast<uint4*>(dv + rows * p.head_dim_v + col) = *reinterpret_cast<const uint4*>(sdv + r * kHeadDim + col);
   }
 }
 

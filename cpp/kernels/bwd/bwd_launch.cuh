@@ -67,10 +67,12 @@ Workspace workspace_layout(const BwdParams& p) {
 }
 
 // A (batch, seqlen, heads, head_dim) tensor as TMA sees it: (seqlen, head_dim, heads, batch).
-template <int kHeadDim, class T>
-auto bshd_view(T* ptr, int seqlen, int heads, int batch) {
-  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, kHeadDim, heads, batch),
-                     make_stride(int64_t(heads) * kHeadDim, _1{}, int64_t(kHeadDim), int64_t(seqlen) * heads * kHeadDim));
+// head_dim is the tensor's own (at most the kernel's): loads zero-fill the box's columns past it,
+// stores clip them.
+template <class T>
+auto bshd_view(T* ptr, int seqlen, int heads, int batch, int head_dim) {
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, head_dim, heads, batch),
+                     make_stride(int64_t(heads) * head_dim, _1{}, int64_t(head_dim), int64_t(seqlen) * heads * head_dim));
 }
 
 // The dK or dV TMA store of MainParams (bwd_epilogue.cuh, store_dkv_tma): over (seqlen_k, head_dim,
@@ -81,7 +83,8 @@ auto dkv_tma_store(void* ptr, const AttentionShape& s) {
   using St = DKVStore<Tr>;
   using Tma = std::conditional_t<kDV, typename St::TmaDV, typename St::TmaDK>;
   if constexpr (St::kEnabled) {
-    auto g = bshd_view<Tr::kHeadDim>(static_cast<typename Tr::Element*>(ptr), s.seqlen_k, s.heads_kv, s.batch);
+    auto g = bshd_view(static_cast<typename Tr::Element*>(ptr), s.seqlen_k, s.heads_kv, s.batch,
+                       kDV ? s.head_dim_v : s.head_dim);
     using SmemLayout = std::conditional_t<kDV, typename St::SmemLayoutdV16, typename St::SmemLayoutdK16>;
     return Tma(make_tma_copy(SM90_TMA_STORE{}, g, SmemLayout{}));
   } else {
@@ -94,15 +97,15 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
                         cudaStream_t stream) {
   using Element = typename Tr::Element;
   const auto& s = p.shape;
-  auto gtensor = [&](const void* ptr, int seqlen, int heads) {
-    return bshd_view<Tr::kHeadDim>(static_cast<Element const*>(ptr), seqlen, heads, s.batch);
+  auto gtensor = [&](const void* ptr, int seqlen, int heads, int head_dim) {
+    return bshd_view(static_cast<Element const*>(ptr), seqlen, heads, s.batch, head_dim);
   };
   SoftmaxScale sc = SoftmaxScale::make(p.opts.softmax_scale, p.opts.softcap);
   MainParams<Tr> mp{
-      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.dout, s.seqlen_q, s.heads_q), typename Tr::SmemLayoutQ1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutK{}),
-      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, s.seqlen_k, s.heads_kv), typename Tr::SmemLayoutV{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.q, s.seqlen_q, s.heads_q, s.head_dim), typename Tr::SmemLayoutQ1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.dout, s.seqlen_q, s.heads_q, s.head_dim_v), typename Tr::SmemLayoutQ1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.k, s.seqlen_k, s.heads_kv, s.head_dim), typename Tr::SmemLayoutK{}),
+      make_tma_copy(SM90_TMA_LOAD{}, gtensor(p.v, s.seqlen_k, s.heads_kv, s.head_dim_v), typename Tr::SmemLayoutV{}),
       pp.lse_log2,
       pp.dpsum,
       pp.dq_accum,
@@ -115,6 +118,8 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
       s.heads_q,
       s.heads_kv,
       pp.m_blocks,
+      s.head_dim,
+      s.head_dim_v,
       p.opts.window_left,
       p.opts.window_right,
       sc.scale_log2,
@@ -177,8 +182,11 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   pp.dpsum = reinterpret_cast<float*>(ws + w.dpsum_off);
   pp.dq_accum = reinterpret_cast<float*>(ws + w.dq_off);
   pp.dq_sem = reinterpret_cast<int*>(ws + w.sem_off);
+  pp.dpsum_out = p.dpsum;
   pp.dq = p.dq;
   pp.seqlen_q = s.seqlen_q;
+  pp.head_dim = s.head_dim;
+  pp.head_dim_v = s.head_dim_v;
   pp.heads_q = s.heads_q;
   pp.m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   pp.softmax_scale = p.opts.softmax_scale;
@@ -198,7 +206,7 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   if constexpr (!IsSplitD<Tr>::value && kTailSplitOk<Tr>) {
     if (split.tail > 0) {
       static_assert(Tr::kBlockM == TrCap::kBlockM && Tr::kBlockN == TrCap::kBlockN && Tr::kPasses == TrCap::kPasses);
-      const DKVTailParams tp{dkv_part, p.dk, p.dv, tile_order<Tr>(p), split, s.seqlen_k};
+      const DKVTailParams tp{dkv_part, p.dk, p.dv, tile_order<Tr>(p), split, s.seqlen_k, s.head_dim, s.head_dim_v};
       bwd_dkv_tail_kernel<Tr><<<dim3(split.tail, 2 * kDKVTailVec<Tr>), 256, 0, stream>>>(tp);
     }
   }
@@ -216,7 +224,7 @@ size_t bwd_workspace_bytes_impl(const BwdParams& p) {
 
 template <typename Element, int kHeadDim>
 cudaError_t run_bwd_impl(const BwdParams& p, cudaStream_t stream) {
-  if (p.shape.head_dim != kHeadDim) return cudaErrorInvalidValue;
+  if (p.shape.head_dim > kHeadDim || p.shape.head_dim_v > kHeadDim) return cudaErrorInvalidValue;
   if (p.workspace == nullptr) return cudaErrorInvalidValue;
   return bwd::with_bwd_traits<Element, kHeadDim>(p, [&](auto tr, auto tr_cap) {
     return bwd::run_bwd_with<typename decltype(tr)::type, typename decltype(tr_cap)::type>(p, stream);

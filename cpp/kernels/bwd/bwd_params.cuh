@@ -23,6 +23,7 @@ struct MainParams {
   typename Tr::Element* dk;
   typename Tr::Element* dv;
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv, m_blocks;
+  int head_dim, head_dim_v;  // of q/k/dk and v/dv (<= Tr::kHeadDim): the dK/dV stores' columns
   int window_left, window_right;
   float scale_log2;        // softmax_scale * log2 e, or softcap * log2 e with softcap
   float pre_tanh;          // softmax_scale / softcap

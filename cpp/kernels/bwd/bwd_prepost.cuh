@@ -1,6 +1,7 @@
 // Backward preprocess and postprocess kernels.
 //   preprocess  (grid: query block, head, batch; 256 threads):
-//     D[row] = rowsum(dO o O) in fp32 (0 on padding rows),
+//     D[row] = rowsum(dO o O) in fp32 (0 on padding rows), also to PrePostParams::dpsum_out when
+//       the caller asked for it (the attention sinks' gradient),
 //     lse_log2[row] = lse * log2 e, or +inf where lse = -inf (fully masked rows) and on padding
 //       rows, so that P = exp2(S * scale_log2 - lse_log2) is exactly 0 there (never NaN),
 //     clears the block's fp32 dQ accumulator and its deterministic turn counter.
@@ -28,8 +29,11 @@ struct PrePostParams {
   float* dpsum;      // (b, hq, m_blocks * kBlockM)
   float* dq_accum;   // (b, hq, m_blocks, kBlockM * head_dim)
   int* dq_sem;       // (b, hq, m_blocks)
+  float* dpsum_out;  // (b, hq, sq) or nullptr
   void* dq;
   int seqlen_q, heads_q, m_blocks;
+  int head_dim;    // of q, dq (<= the kernel's)
+  int head_dim_v;  // of out, dout
   float softmax_scale;
 };
 
@@ -55,11 +59,13 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   const int row = m * kBlockM + r;
   float acc = 0.f;
   if (active && row < p.seqlen_q) {
-    const int64_t off = bshd_offset(p, b, row, h, kHeadDim) + part * kPerThread;
+    const int col0 = part * kPerThread;  // out's head dim is a multiple of 8: whole vectors
+    const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
     const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
     const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
     CUTLASS_PRAGMA_UNROLL
     for (int v = 0; v < kPerThread / 8; ++v) {
+      if (col0 + 8 * v >= p.head_dim_v) break;
       uint4 ov = o[v], dv = d[v];
       const Element* oe = reinterpret_cast<const Element*>(&ov);
       const Element* de = reinterpret_cast<const Element*>(&dv);
@@ -74,6 +80,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
     const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
     float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
     p.dpsum[idx] = acc;
+    if (p.dpsum_out != nullptr && row < p.seqlen_q) p.dpsum_out[bh * p.seqlen_q + row] = acc;
     p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
   }
   float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
@@ -109,8 +116,8 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
   const int64_t bh = int64_t(b) * p.heads_q + h;
   const float* acc_block = p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim);
   const int rows = min(kBlockM, p.seqlen_q - m * kBlockM);
-  Element* dq = static_cast<Element*>(p.dq) + bshd_offset(p, b, m * kBlockM, h, kHeadDim);
-  const int64_t row_stride = int64_t(p.heads_q) * kHeadDim;
+  Element* dq = static_cast<Element*>(p.dq) + bshd_offset(p, b, m * kBlockM, h, p.head_dim);
+  const int64_t row_stride = int64_t(p.heads_q) * p.head_dim;
   CUTLASS_PRAGMA_UNROLL
   for (int c = 0; c < Tr::kDQChunks; ++c) {
     if (c > 0) __syncthreads();  // the previous chunk has left the tile
@@ -137,6 +144,7 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
     constexpr int kVecPerRow = kChunk / 8;  // 16-byte pieces per row of the chunk
     for (int i = ct; i < rows * kVecPerRow; i += 256) {
       const int q = i / kVecPerRow, v8 = i % kVecPerRow;
+      if (c * kChunk + 8 * v8 >= p.head_dim) continue;  // past q's head dim (a multiple of 8)
       *reinterpret_cast<uint4*>(dq + q * row_stride + c * kChunk + 8 * v8) =
           *reinterpret_cast<const uint4*>(tile + q * kPitch + 8 * v8);
     }
@@ -162,6 +170,7 @@ struct DKVTailParams {
   BwdTileOrder order;
   BwdTailSplit split;
   int seqlen_k;
+  int head_dim, head_dim_v;  // of dk, dv (<= the kernel's)
 };
 
 template <class Tr>
@@ -184,14 +193,15 @@ __global__ void __launch_bounds__(256) bwd_dkv_tail_kernel(const DKVTailParams p
   typename Tr::MmadKV mma_dkv;
   Tensor cKV = mma_dkv.get_thread_slice(ct).partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   static_assert(decltype(size(cKV))::value == 4 * kVec);
-  Element* out = static_cast<Element*>(t == 0 ? p.dk : p.dv) + (int64_t(b) * p.seqlen_k * p.order.heads_kv + hk) * kHeadDim;
-  const int64_t row_stride = int64_t(p.order.heads_kv) * kHeadDim;
+  const int d = t == 0 ? p.head_dim : p.head_dim_v;
+  Element* out = static_cast<Element*>(t == 0 ? p.dk : p.dv) + (int64_t(b) * p.seqlen_k * p.order.heads_kv + hk) * d;
+  const int64_t row_stride = int64_t(p.order.heads_kv) * d;
   const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
   CUTLASS_PRAGMA_UNROLL
   for (int e = 0; e < 4; e += 2) {
     const auto at = cKV(4 * j + e);
     const int key = n_block * kBlockN + get<0>(at);
-    if (key < p.seqlen_k) {
+    if (key < p.seqlen_k && get<1>(at) < d) {
       cutlass::Array<Element, 2> pair;
       pair[0] = Element(vals[e]);
       pair[1] = Element(vals[e + 1]);

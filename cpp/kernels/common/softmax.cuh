@@ -98,19 +98,38 @@ struct OnlineSoftmax {
     }
   }
 
-  // Reduces the row sums over the quad; returns 1/l per row (0 for rows with no visible key)
-  // and writes the natural-log LSE per row (-inf for those rows).
-  CUTE_DEVICE void finalize(float (&inv_sum)[kRows], float (&lse)[kRows]) {
+  // Reduces the row sums over the quad; returns the factor that turns each row of O into the
+  // output (1/l; 0 for rows with no visible key) and writes the natural-log LSE per row (-inf
+  // for those rows). sink_log2: the row's attention-sink logit times log2 e (-inf: none), one
+  // more term of the denominator whose value is 0; where it exceeds the row max it becomes the
+  // reference of the exponents (so none overflows), and O's factor shrinks by the same ratio. A
+  // row with a sink but no key gets O = 0 and LSE = the sink.
+  CUTE_DEVICE void finalize(float (&inv_sum)[kRows], float (&lse)[kRows], float sink_log2 = -INFINITY) {
     constexpr float kLn2 = 0.6931471805599453f;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kRows; ++r) {
       float l = quad_sum(row_sum[r]);
+      float m = row_max[r] * scale_log2;  // -inf for a row with no key
+      float o_scale = 1.f;
+      if (sink_log2 != -INFINITY) {
+        float const top = fmaxf(m, sink_log2);
+        o_scale = exp2f(m - top);
+        l = l * o_scale + exp2f(sink_log2 - top);
+        m = top;
+      }
       bool empty = !(l > 0.f);
-      inv_sum[r] = empty ? 0.f : 1.f / l;
-      lse[r] = empty ? -INFINITY : (row_max[r] * scale_log2 + __log2f(l)) * kLn2;
+      inv_sum[r] = empty ? 0.f : o_scale / l;
+      lse[r] = empty ? -INFINITY : (m + __log2f(l)) * kLn2;
     }
   }
 };
+
+// A sink logit (natural units, like the scaled scores) in the log2 domain of OnlineSoftmax;
+// -inf without sinks.
+CUTE_DEVICE float sink_log2(float const* sinks, int head) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return sinks == nullptr ? -INFINITY : sinks[head] * kLog2e;
+}
 
 // Multiplies each row r of a (rows, cols) view by f[r].
 template <int kRows, class TO>

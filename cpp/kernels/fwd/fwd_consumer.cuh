@@ -192,7 +192,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     }
     // O / l, LSE; then the stores.
     float inv_sum[kRows], lse[kRows];
-    softmax.finalize(inv_sum, lse);
+    softmax.finalize(inv_sum, lse, sink_log2(p.sinks, tile.c.head));
     scale_rows(O, inv_sum);
     fwd_epilogue<T>(p, tile.c, wrow_lo, tid, lse, O, cS, thr_pv);
   }

@@ -115,16 +115,16 @@ size_t fwd_workspace_bytes_impl(const FwdParams& fp) {
 template <class T>
 typename T::Params make_fwd_params(const FwdParams& fp) {
   using Element = typename T::Element;
-  using D = typename T::D;
   const AttentionShape& s = fp.shape;
-  constexpr int64_t d = T::kHeadDim;
-  auto q_shape = make_shape(s.seqlen_q, D{}, s.heads_q, s.batch);
-  auto q_stride = make_stride(int64_t(s.heads_q) * d, _1{}, d, int64_t(s.seqlen_q) * s.heads_q * d);
-  auto k_shape = make_shape(s.seqlen_k, D{}, s.heads_kv, s.batch);
-  auto k_stride = make_stride(int64_t(s.heads_kv) * d, _1{}, d, int64_t(s.seqlen_k) * s.heads_kv * d);
-  Tensor mQ = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.q)), q_shape, q_stride);
-  Tensor mK = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.k)), k_shape, k_stride);
-  Tensor mV = make_tensor(make_gmem_ptr(static_cast<Element const*>(fp.v)), k_shape, k_stride);
+  // Each tensor with its own head dim (at most the kernel's: TMA zero-fills the rest).
+  auto bshd = [](const void* ptr, int seqlen, int heads, int batch, int64_t d) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(seqlen, int(d), heads, batch),
+                       make_stride(int64_t(heads) * d, _1{}, d, int64_t(seqlen) * heads * d));
+  };
+  Tensor mQ = bshd(fp.q, s.seqlen_q, s.heads_q, s.batch, s.head_dim);
+  Tensor mK = bshd(fp.k, s.seqlen_k, s.heads_kv, s.batch, s.head_dim);
+  Tensor mV = bshd(fp.v, s.seqlen_k, s.heads_kv, s.batch, s.head_dim_v);
+  constexpr int64_t d = T::kHeadDim;  // the K and V tiles' width in shared memory
 
   bool varying = band_limits_work(fp.shape, fp.opts);
   TileScheduler sched;
@@ -152,6 +152,8 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       SoftmaxScale::make(fp.opts.softmax_scale, fp.opts.softcap),
       fp.lse,
       static_cast<Element*>(fp.out),
+      s.head_dim_v,
+      fp.sinks,
       sched,
   };
   return p;

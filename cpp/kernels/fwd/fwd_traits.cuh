@@ -87,8 +87,10 @@ struct FwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage));
   static_assert(kSmemBytes <= 227 * 1024, "tile does not fit in shared memory");
 
-  // Global tensors as (seqlen, d, heads, batch): the TMA box is (rows, d) of one (head, batch).
-  using GShape = Shape<int, D, int, int>;
+  // Global tensors as (seqlen, d, heads, batch): the TMA box is (rows, kHeadDim) of one (head,
+  // batch). d is the tensor's own head dim (at most kHeadDim): TMA fills the box's columns past
+  // it with zeros, which add nothing to Q K^T and give O columns that are not stored.
+  using GShape = Shape<int, int, int, int>;
   using GStride = Stride<int64_t, _1, int64_t, int64_t>;
   using GTensorIn = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GShape{}, GStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GTensorIn>(), SmemLayoutQ1{}));
@@ -103,7 +105,9 @@ struct FwdTraits {
     BandMask mask;
     SoftmaxScale scale;
     float* lse;    // (batch, heads_q, seqlen_q)
-    Element* out;  // (batch, seqlen_q, heads_q, d)
+    Element* out;  // (batch, seqlen_q, heads_q, head_dim_v)
+    int head_dim_v;       // v's and out's head dim (<= kHeadDim): the O store's columns
+    const float* sinks;   // (heads_q) sink logits, or nullptr (FwdParams::sinks)
     TileScheduler sched;
   };
 };
