@@ -55,14 +55,24 @@ def test_registrations_hold_capsules():
 
 @built
 def test_compiled_reason_names_missing_instantiations():
-    compiled = set(_ffi.build_info()["fwd"])
-    for dtype in ("bfloat16", "float16"):
-        for head_dim in (64, 96, 128, 192, 256):
-            reason = _ffi.compiled_reason("fwd", jnp.dtype(dtype), head_dim)
-            if (dtype, head_dim) in compiled:
-                assert reason is None
-            else:
-                assert "no fwd kernel compiled" in reason
+    """Every head dim that is a multiple of 8 up to 256 (q/k's and v's apart) runs on the
+    smallest compiled kernel head dim of its dtype that holds both; the reason names the
+    head dims only where no compiled one does."""
+    for direction in ("fwd", "bwd"):
+        compiled = set(_ffi.build_info()[direction])
+        for dtype in ("bfloat16", "float16"):
+            dims = sorted(hd for name, hd in compiled if name == dtype)
+            for head_dim, head_dim_v in [(d, d) for d in range(8, 257, 8)] + [
+                    (192, 128), (64, 128), (128, 64), (256, 192), (40, 200)]:
+                need = max(head_dim, head_dim_v)
+                want = min((hd for hd in dims if hd >= need), default=None)
+                got = _ffi.kernel_head_dim(direction, jnp.dtype(dtype), head_dim, head_dim_v)
+                assert got == want, (direction, dtype, head_dim, head_dim_v, got, want)
+                reason = _ffi.compiled_reason(direction, jnp.dtype(dtype), head_dim, head_dim_v)
+                if want is not None:
+                    assert reason is None
+                else:
+                    assert f"no {direction} kernel compiled" in reason and str(head_dim) in reason
 
 
 def test_extension_present_when_expected():

@@ -45,6 +45,18 @@ FLASH_CASES = [
      ["batch", "(2, 16, 8, 64)", "(3, 32, 2, 64)"]),
     ("k/v seqlen mismatch", Q, KV, sds((2, 31, 2, 64)), {}, ValueError,
      ["v", "(2, 31, 2, 64)", "(2, 32, 2, 64)"]),
+    ("k/v heads mismatch", Q, KV, sds((2, 32, 4, 64)), {}, ValueError,
+     ["v", "(2, 32, 4, 64)", "(2, 32, 2, 64)", "heads_kv"]),
+    ("v head_dim > 256", Q, KV, sds((2, 32, 2, 264)), {}, ValueError,
+     ["head_dim 264", "v", "256"]),
+    ("v rank 3", Q, KV, sds((2, 32, 64)), {}, ValueError, ["v", "rank 4", "(2, 32, 64)"]),
+    ("sinks shape", Q, KV, KV, dict(sinks=jnp.zeros((2,))), ValueError,
+     ["sinks", "(8,)", "(2,)"]),
+    ("sinks rank 2", Q, KV, KV, dict(sinks=jnp.zeros((1, 8))), ValueError,
+     ["sinks", "(8,)", "(1, 8)"]),
+    ("sinks integer", Q, KV, KV, dict(sinks=jnp.zeros((8,), jnp.int32)), TypeError,
+     ["sinks", "floating", "int32"]),
+    ("sinks not an array", Q, KV, KV, dict(sinks="none"), TypeError, ["sinks"]),
     ("window too small", Q, KV, KV, dict(window_size=(-2, 0)), ValueError, ["window_size", "-2"]),
     ("window wrong length", Q, KV, KV, dict(window_size=(3,)), ValueError, ["window_size", "(3,)"]),
     ("window not ints", Q, KV, KV, dict(window_size=(1.5, 2)), TypeError, ["window_size", "1.5"]),
@@ -63,6 +75,20 @@ def test_flash_attention_rejects(case):
         trace(flash_attention, q, k, v, **kw)
     for fragment in fragments:
         assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
+
+
+def test_value_head_dim_of_its_own_is_accepted():
+    """v's head dim may differ from q's and k's: out takes it; the default scale is q's."""
+    v = sds((2, 32, 2, 48))
+    out, lse = trace(flash_attention, v=v, return_lse=True, sinks=jnp.zeros((8,), BF16))
+    assert out.shape == (2, 16, 8, 48) and out.dtype == BF16 and lse.shape == (2, 8, 16)
+
+
+def test_sinks_as_a_traced_argument():
+    """sinks are data: a traced array of any float dtype is fine."""
+    q = jnp.ones((1, 4, 2, 8), F32)
+    out = jax.jit(lambda q, s: flash_attention(q, q, q, sinks=s))(q, jnp.zeros((2,), BF16))
+    assert out.shape == q.shape
 
 
 def test_traced_softcap_and_scale_are_type_errors():
@@ -95,6 +121,9 @@ NN_CASES = [
     ("key rank differs", dict(key=sds((32, 2, 64), F32)), {}, ValueError, ["key", "(32, 2, 64)"]),
     ("dtype mismatch", dict(value=sds((2, 32, 2, 64), BF16)), {}, TypeError, ["value", "bfloat16"]),
     ("heads", dict(query=sds((2, 16, 3, 64), F32)), {}, ValueError, ["multiple", "3", "2"]),
+    # jax.nn.dot_product_attention takes one head dim for key and value: so does the drop-in.
+    ("value head dim", dict(value=sds((2, 32, 2, 32), F32)), {}, ValueError,
+     ["value", "(2, 32, 2, 32)", "key", "(2, 32, 2, 64)"]),
     ("mask not bool", {}, dict(mask=jnp.ones((2, 1, 16, 32), jnp.int32)), TypeError,
      ["mask", "boolean", "int32"]),
     ("mask bad shape", {}, dict(mask=jnp.ones((2, 1, 16, 31), bool)), ValueError,
@@ -177,7 +206,9 @@ FLASH_ARRAYS = dict(q=jnp.ones((2, 16, 8, 64), BF16), k=jnp.ones((2, 32, 2, 64),
 FLASH_ARGUMENTS = [
     ("q", dict(q=jnp.ones((2, 16, 8), BF16)), None),
     ("k", dict(k=jnp.ones((2, 32, 2, 64), F32)), None),
-    ("v", dict(v=jnp.ones((2, 32, 2, 32), BF16)), None),
+    ("v", dict(v=jnp.ones((2, 31, 2, 32), BF16)), None),
+    ("sinks", dict(sinks=jnp.ones((3,), F32)), None),
+    ("sinks", dict(sinks=jnp.ones((8,), jnp.int32)), "sinks"),
     ("softmax_scale", dict(softmax_scale=0.5), "softmax_scale"),
     ("causal", dict(causal=True), "causal"),
     ("window_size", dict(window_size=(4, 0)), "window_size"),

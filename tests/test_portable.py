@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from helpers import (assert_finite, band_mask, check_against_oracle, random_like, random_qkv,
-                     reference_f64, reference_grads_f64)
+                     random_sinks, reference_f64, reference_grads_f64)
 from jax_fa3 import _core, attention, portable
 from jax_fa3._masks import UNBOUNDED, band
 
@@ -221,6 +221,137 @@ def test_lse_cotangent_is_exact():
     ref = reference_grads_f64(q, k, v, dout, dlse=dlse, causal=True, softcap=3.0)
     for got, want in zip(grads, ref):
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- sinks, dv != d
+
+def _core_fwd_bwd(q, k, v, dout, sinks=None, dlse=None, **opts):
+    """(out, lse, (dq, dk, dv[, dsinks])) of the core's local calls on the portable path
+    (what flash_attention runs on one device), under jit, with the public options."""
+    scale = opts.get("softmax_scale") or 1.0 / np.sqrt(q.shape[-1])
+    left, right = band(opts.get("causal", False), opts.get("window_size", (-1, -1)))
+    o = _core.Options(softmax_scale=scale, softcap=opts.get("softcap", 0.0), left=left,
+                      right=right, implementation="xla")
+
+    @jax.jit
+    def run(q, k, v, dout, sinks, dlse):
+        out, lse = _core.attention_fwd(q, k, v, o, sinks=sinks)
+        *grads, dsinks = _core.attention_bwd(q, k, v, out, lse, dout, o, dlse=dlse, sinks=sinks)
+        return out, lse, tuple(grads) + (() if sinks is None else (dsinks,))
+
+    return run(q, k, v, dout, sinks, dlse)
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, head_dim_v, dtype, logit scale,
+#  sinks, options): ragged lengths, GQA/MQA, causal, sliding window + sink, softcap, v of
+# its own head dim (MLA's 192/128 among them), rows that see no key (seqlen_q > seqlen_k).
+SINK_CASES = [
+    (2, 1, 129, 8, 2, 64, 32, BF16, 1.0, True, dict(causal=True)),
+    (1, 17, 17, 4, 4, 128, 128, F16, 1.0, True, dict(causal=True, window_size=(8, -1))),
+    (1, 127, 1000, 4, 1, 64, 64, BF16, 1.0, True, dict(causal=True, window_size=(100, -1))),
+    (1, 1000, 129, 2, 1, 32, 16, F32, 1.0, True, dict(causal=True)),
+    (2, 129, 127, 4, 2, 192, 128, BF16, 1.0, False, dict(causal=True)),
+    (1, 129, 17, 2, 2, 80, 80, F16, 8.0, True, dict(softcap=5.0)),
+    (1, 1000, 1000, 2, 1, 40, 24, BF16, 1.0, False, {}),
+    (3, 17, 129, 8, 1, 16, 48, F32, 1.0, True, dict(window_size=(5, 7), softcap=3.0)),
+    (1, 200, 300, 4, 2, 96, 64, BF16, 4.0, True, dict(window_size=(16, 0))),
+]
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"b{c[0]}-q{c[1]}-k{c[2]}-h{c[3]}/"
+                         f"{c[4]}-d{c[5]}/{c[6]}-{jnp.dtype(c[7]).name}-x{c[8]}-"
+                         f"{'sinks' if c[9] else 'nosinks'}-{c[10]}")
+def test_sinks_and_value_head_dim_match_oracle(case):
+    """out, lse, dq, dk, dv and dsinks of the portable path (through the core) by the
+    error-ratio rule against the float64 oracle."""
+    b, sq, sk, hq, hkv, d, dv, dtype, scale, with_sinks, opts = case
+    q, k, v = random_qkv(sq * 3 + sk + d, b, sq, sk, hq, hkv, d, dtype, scale, head_dim_v=dv)
+    sinks = random_sinks(sq + dv, hq, loc=2.0) if with_sinks else None
+    dout = random_like(2, jnp.zeros((b, sq, hq, dv), dtype))
+    out, lse, grads = _core_fwd_bwd(q, k, v, dout, sinks, **opts)
+    assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    if with_sinks:
+        assert grads[3].shape == (hq,) and grads[3].dtype == jnp.float32
+    check_against_oracle("portable", q, k, v, out, lse, grads, dout, sinks=sinks, **opts)
+
+
+def test_sinks_rows_without_keys_and_minus_inf():
+    """A row that sees no key: out 0, lse = its head's sink, dq 0, its dsinks share from the
+    LSE cotangent alone (p0 = 1, D = 0). A sink of -inf is no sink: bitwise the same results
+    as without, and a zero gradient."""
+    q, k, v = random_qkv(22, 2, 40, 8, 4, 2, 16, F32, head_dim_v=24)
+    sinks = jnp.asarray([0.5, -jnp.inf, 2.0, -1.0], jnp.float32)
+    dout = random_like(23, jnp.zeros((2, 40, 4, 24)))
+    dlse = jnp.asarray(np.random.default_rng(24).standard_normal((2, 4, 40)), jnp.float32)
+    out, lse, (dq, dk, dv, dsinks) = _core_fwd_bwd(q, k, v, dout, sinks, dlse=dlse, causal=True)
+    empty = slice(0, 32)  # the first 32 query rows see no key
+    assert (np.asarray(out)[:, empty] == 0).all() and (np.asarray(dq)[:, empty] == 0).all()
+    want = np.broadcast_to(np.asarray(sinks)[None, :, None], (2, 4, 32))
+    np.testing.assert_array_equal(np.asarray(lse)[:, :, empty], want)
+    assert dsinks[1] == 0
+    ref = reference_grads_f64(q, k, v, dout, dlse=dlse, sinks=sinks, causal=True)
+    for got, r in zip((dq, dk, dv, dsinks), ref):
+        np.testing.assert_allclose(got, r, rtol=1e-5, atol=1e-5)
+    none = _core_fwd_bwd(q, k, v, dout, None, causal=True)
+    minus_inf = _core_fwd_bwd(q, k, v, dout, jnp.full((4,), -jnp.inf), causal=True)
+    for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(minus_inf)[:-1]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(minus_inf[2][3], 0)
+
+
+def test_sinks_block_size_does_not_change_result():
+    q, k, v = random_qkv(25, 2, 50, 130, 4, 2, 32, F32, head_dim_v=8)
+    sinks = random_sinks(26, 4)
+    kw = dict(softmax_scale=0.2, softcap=2.0, left=30, right=0)
+    run = jax.jit(lambda q, k, v, s, block_k: portable.forward(q, k, v, s, block_k=block_k, **kw),
+                  static_argnums=4)
+    want = run(q, k, v, sinks, 128)
+    for block_k in (1, 7, 64):
+        for a, b in zip(run(q, k, v, sinks, block_k), want):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_dense_variant_with_sinks_and_value_head_dim():
+    """portable.dense takes sinks and a v head dim of its own; its autodiff gradients
+    (dsinks included) are the oracle's."""
+    q, k, v = random_qkv(27, 2, 24, 40, 4, 2, 32, F32, head_dim_v=16)
+    sinks = random_sinks(28, 4)
+    mask = jnp.asarray(np.random.default_rng(29).random((2, 1, 24, 40)) < 0.6).at[0, 0, 3].set(False)
+    dense = functools.partial(portable.dense, softmax_scale=0.2, softcap=2.0, mask=mask)
+    out, lse = jax.jit(dense)(q, k, v, sinks)
+    ref_out, ref_lse = reference_f64(q, k, v, softmax_scale=0.2, softcap=2.0, mask=mask,
+                                     sinks=sinks)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse)[0, :, 3], sinks, rtol=1e-6)  # no key: the sink
+    dout = random_like(30, out)
+    loss = lambda q, k, v, s: (dense(q, k, v, s)[0] * dout).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    ref = reference_grads_f64(q, k, v, dout, softmax_scale=0.2, softcap=2.0, mask=mask,
+                              sinks=sinks)
+    for got, want in zip(grads, ref):
+        assert_finite("dense grad", got)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_lse_cotangent_with_sinks_is_exact():
+    """flash_attention on the portable path, differentiated through out and lse with sinks in
+    bfloat16 (the cotangent comes back in the sinks' dtype) and float32."""
+    q, k, v = random_qkv(31, 2, 30, 50, 4, 1, 32, F32, head_dim_v=16)
+    dout = random_like(32, jnp.zeros((2, 30, 4, 16)))
+    dlse = jnp.asarray(np.random.default_rng(33).standard_normal((2, 4, 30)), jnp.float32)
+    for sinks in (random_sinks(34, 4), random_sinks(34, 4).astype(BF16)):
+        f = lambda q, k, v, s: attention.flash_attention(q, k, v, causal=True, softcap=3.0,
+                                                         sinks=s, return_lse=True,
+                                                         implementation="xla")
+        grads = jax.jit(lambda *a: jax.vjp(f, *a)[1]((dout, dlse)))(q, k, v, sinks)
+        assert grads[3].dtype == sinks.dtype and grads[3].shape == (4,)
+        ref = reference_grads_f64(q, k, v, dout, dlse=dlse, causal=True, softcap=3.0,
+                                  sinks=sinks.astype(F32))
+        for got, want in zip(grads, ref):
+            tol = 1e-5 if got.dtype == F32 else 2e-2 * np.abs(want).max()
+            np.testing.assert_allclose(np.asarray(got, F32), want, atol=tol)
 
 
 def _all_avals(jaxpr):
