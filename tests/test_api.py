@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from helpers import check_against_oracle, random_like, random_qkv
+from helpers import check_against_oracle, random_like, random_qkv, random_sinks
 from jax_fa3 import _core, _ffi, attention, portable, sharding
 from jax_fa3 import dot_product_attention, flash_attention
 
@@ -50,6 +50,56 @@ def test_flash_attention_matches_oracle(case):
     dout = random_like(12, q)
     out, lse, grads = _fwd_and_grads(q, k, v, dout, **opts)
     check_against_oracle("flash_attention", q, k, v, out, lse, grads, dout, **opts)
+
+
+@pytest.mark.parametrize("case", [
+    (BF16, 2, 40, 70, 8, 2, 192, 128, dict(causal=True)),
+    (F16, 1, 70, 40, 4, 4, 80, 80, dict(window_size=(9, 3), softcap=6.0)),
+    (BF16, 1, 129, 129, 4, 2, 64, 128, dict(causal=True, window_size=(16, -1))),
+    (F32, 2, 33, 17, 4, 1, 36, 20, dict(causal=True, window_size=(5, -1))),
+], ids=["bf16-mla-gqa-causal", "f16-hd80-window-softcap", "bf16-64/128-sliding-window",
+        "f32-36/20-mqa"])
+def test_flash_attention_with_sinks_and_value_head_dim_matches_oracle(case):
+    """Through the public API (the kernel where it can run the call): out, lse and the
+    gradients of q, k, v and sinks by the error-ratio rule."""
+    dtype, b, sq, sk, hq, hkv, d, dv, opts = case
+    q, k, v = random_qkv(41, b, sq, sk, hq, hkv, d, dtype, head_dim_v=dv)
+    sinks = random_sinks(42, hq, loc=2.0)
+    dout = random_like(43, jnp.zeros((b, sq, hq, dv), dtype))
+
+    @jax.jit
+    def run(q, k, v, sinks):
+        (out, lse), vjp = jax.vjp(lambda q, k, v, s: flash_attention(
+            q, k, v, sinks=s, return_lse=True, **opts), q, k, v, sinks)
+        return out, lse, vjp((dout, jnp.zeros_like(lse)))
+
+    out, lse, grads = run(q, k, v, sinks)
+    assert out.shape == (b, sq, hq, dv) and grads[3].dtype == F32
+    check_against_oracle("flash_attention", q, k, v, out, lse, grads, dout, sinks=sinks, **opts)
+
+
+@pytest.mark.parametrize("d,dv", [(80, 80), (192, 128), (64, 36), (36, 64)])
+def test_dispatch_with_head_dims_of_their_own(d, dv):
+    """Any head dims that are multiples of 8 up to 256 are the kernel's when it is here
+    (implementation=None picks it, the lowered program calls it); others name the head dim
+    that is not, and run on the portable path."""
+    q, k, v = random_qkv(44, 1, 16, 16, 2, 2, d, BF16, head_dim_v=dv)
+    reason = jax_fa3.unavailable_reason("fwd", BF16, d, dv)
+    assert jax_fa3.kernel_available("fwd", BF16, d, dv) == (reason is None)
+    if MACHINE is not None:
+        assert reason == MACHINE
+    elif 36 in (d, dv):
+        which = "head_dim of v" if dv == 36 else "head_dim"
+        assert f"{which} a multiple of 8" in reason and "36" in reason
+        with pytest.raises(ValueError, match="multiple of 8"):
+            flash_attention(q, k, v, implementation="cuda")
+    else:  # the H200 with the kernels: every compiled dtype rounds 80 and 192/128 up
+        assert reason is None or "no fwd kernel compiled" in reason
+    impl = attention.resolve_implementation(None, q, head_dim_v=dv)
+    assert impl == ("cuda" if reason is None else "xla")
+    f = lambda q, k, v: flash_attention(q, k, v, causal=True)
+    assert _calls_kernel(f, q, k, v) == (reason is None)
+    assert f(q, k, v).shape == (1, 16, 2, dv)
 
 
 def test_default_dispatch_takes_the_kernel_where_it_can():
@@ -130,6 +180,10 @@ def test_exports_and_availability():
     for name in ("flash_attention", "dot_product_attention", "build_info", "kernel_available",
                  "unavailable_reason"):
         assert name in jax_fa3.__all__ and callable(getattr(jax_fa3, name))
+    for fn in (jax_fa3.unavailable_reason, jax_fa3.kernel_available):
+        assert list(inspect.signature(fn).parameters) == ["direction", "dtype", "head_dim",
+                                                          "head_dim_v"]
+    assert "sinks" in inspect.signature(flash_attention).parameters
     reason = jax_fa3.unavailable_reason("fwd", BF16, 128)
     assert jax_fa3.kernel_available("fwd", BF16, 128) == (reason is None)
     assert (jax_fa3.build_info() is None) == (not jax_fa3.is_built())
