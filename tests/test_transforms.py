@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import random_like, random_qkv, skip_unless_kernel
+from helpers import random_like, random_qkv, random_sinks, skip_unless_kernel
 from jax_fa3 import flash_attention
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -131,6 +131,71 @@ def test_scan_over_layers(inputs):
           jax.jit(jax.grad(unrolled, argnums=(0, 1)))(q, ws), atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def sink_inputs():
+    """q, k, v (v of head dim 8, q/k 16), three stacked sets of sinks, dout."""
+    q, k, v = random_qkv(35, 2, 12, 16, 4, 2, 16, F32, head_dim_v=8)
+    sinks = jnp.stack([random_sinks(36 + i, 4) for i in range(3)])
+    return q, k, v, sinks, random_like(39, jnp.zeros((2, 12, 4, 8)))
+
+
+def sink_loss(q, k, v, s, dout):
+    return (attn(q, k, v, sinks=s) * dout).sum()
+
+
+sink_grad_jit = jax.jit(jax.grad(sink_loss, argnums=(0, 1, 2, 3)))
+
+
+def test_vmap_with_shared_and_batched_sinks(sink_inputs):
+    """vmap over the whole call: sinks shared by the stack (in_axes None) or one set per
+    element, with q, k, v batched or shared; equal to a loop."""
+    q, k, v, sinks, _ = sink_inputs
+    qs = jnp.stack([q, 2 * q, -q])
+    loop = lambda ss: jnp.stack([attn_jit(x, k, v, sinks=s) for x, s in zip(qs, ss)])
+    shared = jax.jit(jax.vmap(lambda q, s: attn(q, k, v, sinks=s), in_axes=(0, None)))
+    close(shared(qs, sinks[0]), loop([sinks[0]] * 3))
+    batched = jax.jit(jax.vmap(lambda q, s: attn(q, k, v, sinks=s)))
+    close(batched(qs, sinks), loop(sinks))
+    only_sinks = jax.jit(jax.vmap(lambda s: attn(q, k, v, sinks=s)))
+    close(only_sinks(sinks), jnp.stack([attn_jit(q, k, v, sinks=s) for s in sinks]))
+
+
+def test_vmap_of_grad_with_sinks(sink_inputs):
+    """Gradients in q, k, v and sinks under vmap, sinks shared or batched; and the gradient
+    of shared sinks through a vmapped loss is the sum of the per-element ones."""
+    q, k, v, sinks, dout = sink_inputs
+    qs = jnp.stack([q, 0.5 * q, -q])
+    per_elem = [sink_grad_jit(qs[i], k, v, sinks[i], dout) for i in range(3)]
+    g = jax.jit(jax.vmap(jax.grad(sink_loss, argnums=(0, 1, 2, 3)),
+                         in_axes=(0, None, None, 0, None)))
+    for i, want in enumerate(per_elem):
+        close([x[i] for x in g(qs, k, v, sinks, dout)], want, atol=1e-5)
+    shared = jax.jit(jax.grad(lambda s: jax.vmap(sink_loss, in_axes=(0, None, None, None, None))(
+        qs, k, v, s, dout).sum()))
+    want = sum(sink_grad_jit(qs[i], k, v, sinks[0], dout)[3] for i in range(3))
+    close(shared(sinks[0]), want, atol=1e-5)
+
+
+def test_sinks_under_checkpoint_and_scan(sink_inputs):
+    q, k, v, sinks, dout = sink_inputs
+    want = sink_grad_jit(q, k, v, sinks[0], dout)
+    remat = jax.checkpoint(sink_loss)
+    close(jax.jit(jax.grad(remat, argnums=(0, 1, 2, 3)))(q, k, v, sinks[0], dout), want)
+
+    def layers(s_stack):  # sinks per layer, as a model with one set per layer has them
+        def layer(x, s):
+            return x + attn(x, k, k, sinks=s), None
+        return (jax.lax.scan(layer, q, s_stack)[0] ** 2).sum()
+
+    def unrolled(s_stack):
+        x = q
+        for s in s_stack:
+            x = x + attn(x, k, k, sinks=s)
+        return (x ** 2).sum()
+
+    close(jax.jit(jax.grad(layers))(sinks), jax.jit(jax.grad(unrolled))(sinks), atol=1e-4)
+
+
 def test_bf16_grads_keep_dtypes():
     q, k, v = random_qkv(33, 1, 8, 8, 2, 1, 32, BF16)
     grads = jax.jit(jax.grad(lambda q, k, v: attn(q, k, v).astype(F32).sum(),
@@ -152,6 +217,23 @@ def _ffi_calls(jaxpr):
                 if hasattr(inner, "eqns"):
                     n += _ffi_calls(inner)
     return n
+
+
+@pytest.mark.gpu
+def test_vmap_with_sinks_on_the_kernel():
+    """Shared sinks fold the stack into one kernel call; batched sinks run one call per
+    element (the kernel takes one set of sinks per launch). Equal to a loop either way."""
+    skip_unless_kernel("fwd", BF16, 128)
+    q, k, v = random_qkv(37, 2, 128, 128, 4, 2, 128, BF16)
+    qs = jnp.stack([q, -q])
+    sinks = jnp.stack([random_sinks(38, 4), random_sinks(39, 4)])
+    call = functools.partial(flash_attention, causal=True, implementation="cuda")
+    shared = jax.vmap(lambda q, s: call(q, k, v, sinks=s), in_axes=(0, None))
+    assert _ffi_calls(jax.make_jaxpr(shared)(qs, sinks[0]).jaxpr) == 1
+    batched = jax.vmap(lambda q, s: call(q, k, v, sinks=s))
+    for got, ss in ((shared(qs, sinks[0]), [sinks[0]] * 2), (batched(qs, sinks), sinks)):
+        want = jnp.stack([call(x, k, v, sinks=s) for x, s in zip(qs, ss)])
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
 
 
 @pytest.mark.gpu
