@@ -23,3 +23,11 @@ def varying_like(x, *refs):
     if hasattr(lax, "pcast"):
         return lax.pcast(x, axes, to="varying")
     return lax.pvary(x, axes)  # JAX < 0.8
+
+
+def sum_like(ct, primal):
+    """A cotangent summed over the manual mesh axes it varies over and its primal does not:
+    the transpose of the implicit broadcast of an invariant value (shared sinks, say) into
+    per-device work, so that a custom_vjp rule returns the type of its primal."""
+    axes = tuple(sorted(vma(ct) - vma(primal), key=str))
+    return lax.psum(ct, axes) if axes else ct

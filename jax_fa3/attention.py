@@ -25,6 +25,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_fa3 import _core, _validate, sharding
 from jax_fa3._core import Options, kernel_available, resolve_implementation, unavailable_reason
+from jax_fa3._vma import sum_like
 
 __all__ = ["flash_attention", "attention", "unavailable_reason", "kernel_available",
            "resolve_implementation"]
@@ -72,6 +73,8 @@ def _attention_bwd_rule(opts, residuals, cotangents):
     else:
         dq, dk, dv, dsinks = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse,
                                                  sinks=sinks, kv_lengths=kv_lengths)
+    if dsinks is not None:  # inside a shard_map: shared sinks get every device's rows' share
+        dsinks = sum_like(dsinks, sinks)
     return dq, dk, dv, dsinks, None
 
 

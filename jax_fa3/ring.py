@@ -47,7 +47,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax_fa3 import _core, _validate, portable
 from jax_fa3._core import Options
 from jax_fa3._masks import UNBOUNDED
-from jax_fa3._vma import varying_like, vma
+from jax_fa3._vma import sum_like, varying_like
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
            "ring_attention_fwd", "ring_attention_bwd", "Ring", "STRATEGIES", "LAYOUTS"]
@@ -461,9 +461,7 @@ def _sinks_grad(sinks, out, lse, dout, dlse):
     """The sinks' gradient from the final local lse and D: this device's rows' share, summed
     over the mesh axes it varies over and the sinks do not (shared sinks, rows spread over
     the ring), so that its type matches the sinks' inside shard_map."""
-    dsinks = portable.sinks_grad(sinks, lse, portable.row_dot(dout, out), dlse)
-    axes = tuple(sorted(vma(dsinks) - vma(sinks), key=str))
-    return lax.psum(dsinks, axes) if axes else dsinks
+    return sum_like(portable.sinks_grad(sinks, lse, portable.row_dot(dout, out), dlse), sinks)
 
 
 def _ring_vjp_bwd(opts, ring, res, cts):

@@ -78,6 +78,12 @@ def test_sharding_rule_strings():
     assert bwd.split(" -> ")[1] == "b s h d, b s k d, b s k d"
     with_dlse = rule((1, 8, 8, 8), (1, 8, 2, 8), True, with_dlse=True)[0]
     assert with_dlse.split(" -> ")[0].endswith("b s h d, b h s, b s h d, b h s")
+    # v of its own head dim (factor e, never sharded either) and the forward's sinks (h)
+    mla, kw = rule((1, 8, 8, 192), (1, 8, 2, 192), False, with_sinks=True, v_shape=(1, 8, 2, 128))
+    assert mla == "b s h d, b s k d, b s k e, h -> b s h e, b h s"
+    assert kw == {"need_replication_factors": ("d", "e")}
+    bwd = rule((1, 8, 8, 192), (1, 8, 2, 192), True, v_shape=(1, 8, 2, 128))[0]
+    assert bwd == "b s h d, b s k d, b s k e, b s h e, b h s, b s h e -> b s h d, b s k d, b s k e"
 
 
 # ----------------------------------------------------------------------------- partitioned calls
@@ -108,9 +114,10 @@ def _opts(causal, window_size=(-1, -1), softcap=0.0):
 
 
 def _fwd_bwd(f_fwd, f_bwd, q, k, v, dout, opts, dlse=None):
-    """(out, lse, dq, dk, dv) and the jitted forward and backward."""
+    """(out, lse, dq, dk, dv) and the jitted forward and backward (no sinks: the backward's
+    dsinks is None and left out)."""
     fwd = jax.jit(lambda q, k, v: f_fwd(q, k, v, opts))
-    bwd = jax.jit(lambda *a, dlse=None: f_bwd(*a, opts, dlse=dlse))
+    bwd = jax.jit(lambda *a, dlse=None: f_bwd(*a, opts, dlse=dlse)[:3])
     out, lse = fwd(q, k, v)
     return (out, lse) + tuple(bwd(q, k, v, out, lse, dout, dlse=dlse)), fwd, bwd
 
@@ -162,6 +169,43 @@ def test_partitioned_equals_unsharded(name, types):
     assert _same_spec(lse.sharding.spec, plan.lse), lse.sharding.spec
     if types == AxisType.Explicit:  # Auto leaves dk/dv to propagation (may follow k's input)
         assert _same_spec(dk.sharding.spec, plan.kv), dk.sharding.spec
+
+
+SINK_MESHES = ["batch", "batch-heads-gqa", "heads-finer-than-kv", "seq-ring", "batch-seq"]
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", SINK_MESHES)
+def test_partitioned_with_sinks_and_value_head_dim(name, types):
+    """Sinks (sharded like the query heads) and a v head dim of its own: out, lse, dq, dk,
+    dv and dsinks (with an LSE cotangent) equal the single-device call."""
+    shape, names, spec, hq, hkv, causal = MESHES[name]
+    mesh = _mesh(shape, names, types)
+    q, k, v = helpers.random_qkv(jax.random.key(11), 8, 16, 16, hq, hkv, 16, jnp.float32,
+                                 scale=2.0, head_dim_v=8)
+    dout = helpers.random_like(jax.random.key(12), jnp.zeros((8, 16, hq, 8)))
+    dlse = jax.random.normal(jax.random.key(13), (8, hq, 16), jnp.float32)
+    sinks = helpers.random_sinks(14, hq)
+    opts = _opts(causal, window_size=(5, -1), softcap=3.0)
+
+    def run(f_fwd, f_bwd, q, k, v, dout, dlse, sinks):
+        out, lse = jax.jit(lambda q, k, v, s: f_fwd(q, k, v, opts, sinks=s))(q, k, v, sinks)
+        grads = jax.jit(lambda *a: f_bwd(*a[:6], opts, dlse=a[6], sinks=a[7]))(
+            q, k, v, out, lse, dout, dlse, sinks)
+        return (out, lse) + tuple(grads)
+
+    want = run(_core.attention_fwd, _core.attention_bwd, q, k, v, dout, dlse, sinks)
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
+    qs, = _put(mesh, spec, q)
+    ks, vs = _put(mesh, _kv_input_spec(mesh, spec, hkv), k, v)
+    dos, = _put(mesh, spec, dout)
+    dlses, = _put(mesh, plan.lse, dlse)
+    sinks_s, = _put(mesh, plan.sinks, sinks)
+    got = run(sharding.partitioned_attention_fwd, sharding.partitioned_attention_bwd,
+              qs, ks, vs, dos, dlses, sinks_s)
+    for label, a, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=2e-5, err_msg=f"{name}: {label}")
+    assert _same_spec(got[0].sharding.spec, spec)
 
 
 def _collectives(text):
@@ -286,6 +330,30 @@ def test_flash_attention_sequence_sharded_runs_the_ring(types):
         assert _same_spec(g.sharding.spec, spec)
 
 
+def test_flash_attention_sharded_with_sinks():
+    """flash_attention with sinks and a v head dim of its own, differentiated under jit on
+    (batch, heads) and on (batch, seq) meshes: equal to the unsharded result, the sinks'
+    gradient included."""
+    q, k, v = helpers.random_qkv(jax.random.key(15), 2, 32, 32, 4, 2, 16, jnp.float32,
+                                 head_dim_v=24)
+    sinks = helpers.random_sinks(16, 4)
+
+    def loss(q, k, v, s):
+        out = attention.flash_attention(q, k, v, sinks=s, causal=True, window_size=(9, -1))
+        return jnp.sum(out ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+    want_value, want = grad(q, k, v, sinks)
+    for shape, names, spec in (((2, 2), ("data", "model"), P("data", None, "model")),
+                               ((2, 2), ("data", "sp"), P("data", "sp"))):
+        mesh = _mesh(shape, names, AxisType.Auto)
+        sinks_spec = P(spec[2]) if len(spec) > 2 else P()
+        value, got = grad(*_put(mesh, spec, q, k, v), *_put(mesh, sinks_spec, sinks))
+        np.testing.assert_allclose(value, want_value, rtol=1e-5)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_user_shard_map_with_check_vma():
     """flash_attention inside a user's shard_map (check_vma on): the portable path's scan
     carries are typed as varying, forward and backward, also when seqlen_q != seqlen_k."""
@@ -307,3 +375,18 @@ def test_user_shard_map_with_check_vma():
     np.testing.assert_allclose(val, want_val, rtol=1e-5)
     for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    # With sinks shared by every device (invariant) and a v head dim of its own: the sinks'
+    # gradient is typed like the sinks (invariant), the sum of every device's share, which
+    # is the gradient of the whole batch's loss.
+    v8 = helpers.random_like(jax.random.key(4), jnp.zeros((4, 8, 1, 8)))
+    sinks = helpers.random_sinks(5, 2)
+
+    def sink_loss(q, k, v, s):
+        out = jax_fa3.flash_attention(q, k, v, sinks=s, causal=True, implementation="xla")
+        return (out ** 2).sum()
+
+    f = jax.shard_map(jax.grad(sink_loss, argnums=3), mesh=mesh,
+                      in_specs=(spec, spec, spec, P()), out_specs=P())
+    want = jax.grad(sink_loss, argnums=3)(q, k, v8, sinks)
+    np.testing.assert_allclose(jax.jit(f)(q, k, v8, sinks), want, rtol=1e-4, atol=1e-5)
