@@ -115,23 +115,26 @@ def _mesh(shape, names, types=AxisType.Auto):
                          devices=jax.devices()[:n])
 
 
-def _run_cp(q, k, v, dout, dlse, *, mesh, seq_axis, layout, **kw):
+def _run_cp(q, k, v, dout, dlse, *, mesh, seq_axis, layout, sinks=None, **kw):
     """context_parallel_attention on natural-order global arrays: (out, lse, dq, dk, dv) in
-    natural order. Zig-zag inputs are permuted in and the results permuted back."""
+    natural order, and dsinks last with `sinks`. Zig-zag inputs are permuted in and the
+    results permuted back."""
     n = mesh.shape[seq_axis]
     zz = layout == "zigzag"
     perm = (lambda x, a=1: ring.zigzag_permute(x, n, a)) if zz else (lambda x, a=1: x)
     unperm = (lambda x, a=1: ring.zigzag_unpermute(x, n, a)) if zz else (lambda x, a=1: x)
 
     @jax.jit
-    def run(q, k, v, dout, dlse):
-        f = lambda q, k, v: context_parallel_attention(q, k, v, mesh=mesh, seq_axis=seq_axis,
-                                                       layout=layout, return_lse=True, **kw)
-        (out, lse), vjp = jax.vjp(f, perm(q), perm(k), perm(v))
+    def run(q, k, v, dout, dlse, sinks):
+        f = lambda q, k, v, *s: context_parallel_attention(
+            q, k, v, mesh=mesh, seq_axis=seq_axis, layout=layout, return_lse=True,
+            sinks=s[0] if s else None, **kw)
+        extra = () if sinks is None else (sinks,)
+        (out, lse), vjp = jax.vjp(f, perm(q), perm(k), perm(v), *extra)
         grads = vjp((perm(dout), perm(dlse, 2)))
-        return (unperm(out), unperm(lse, 2)) + tuple(unperm(g) for g in grads)
+        return (unperm(out), unperm(lse, 2)) + tuple(unperm(g) for g in grads[:3]) + grads[3:]
 
-    return run(q, k, v, dout, dlse)
+    return run(q, k, v, dout, dlse, sinks)
 
 
 CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, options)
@@ -160,6 +163,38 @@ def test_ring_matches_oracle(name):
     out, lse, *grads = _run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout=layout,
                                strategy=strategy, **opts)
     helpers.check_against_oracle(name, q, k, v, out=out, lse=lse, grads=grads, dout=dout, **opts)
+
+
+SINK_CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, dv, options)
+    "zigzag-causal-gqa-dv8": (4, "zigzag", "ring", 4, 4, 4, 2, 8, dict(causal=True)),
+    "contiguous-sliding-window-sink": (4, "contiguous", "ring", 4, 4, 4, 1, 16,
+                                       dict(causal=True, window_size=(3, -1))),
+    "zigzag-causal-sq>sk-dv24": (4, "zigzag", "ring", 4, 2, 2, 1, 24, dict(causal=True)),
+    "allgather-window-softcap": (4, "zigzag", "allgather", 4, 4, 4, 2, 8,
+                                 dict(causal=True, window_size=(5, -1), softcap=3.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_ring_with_sinks_matches_oracle(name):
+    """Ring (and all-gather) attention with sinks and a v head dim of its own vs the float64
+    oracle: out, lse, dq, dk, dv and dsinks by the error-ratio rule (bf16, large logits;
+    seq_q > seq_k leaves rows without keys, whose lse is the sink)."""
+    n, layout, strategy, sq, sk, hq, hkv, dv, opts = SINK_CASES[name]
+    b, d = 2, 16
+    mesh = _mesh((n,), ("sp",))
+    key = jax.random.key(sum(map(ord, name)))
+    q, k, v = helpers.random_qkv(key, b, n * sq, n * sk, hq, hkv, d, jnp.bfloat16, scale=2.0,
+                                 head_dim_v=dv)
+    sinks = helpers.random_sinks(jax.random.fold_in(key, 2), hq, loc=2.0)
+    dout = helpers.random_like(jax.random.fold_in(key, 1), jnp.zeros((b, n * sq, hq, dv),
+                                                                    jnp.bfloat16))
+    dlse = jnp.zeros((b, hq, n * sq), jnp.float32)
+    out, lse, *grads = _run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout=layout,
+                               strategy=strategy, sinks=sinks, **opts)
+    assert out.shape == (b, n * sq, hq, dv) and grads[3].shape == (hq,)
+    helpers.check_against_oracle(name, q, k, v, out=out, lse=lse, grads=grads, dout=dout,
+                                 sinks=sinks, **opts)
 
 
 def test_allgather_equals_ring_and_unsharded():
@@ -236,6 +271,25 @@ def test_fully_masked_rows_and_explicit_mesh():
     for g, r in zip(grads, ref_grads):
         helpers.assert_finite("grad", g)
         np.testing.assert_allclose(g, r, atol=2e-5)
+
+    # With sinks shared by every device (check_vma: invariant) and an LSE cotangent: rows
+    # without keys get lse = the sink, and the sinks' gradient is the whole sequence's.
+    sinks = jnp.asarray([0.5, -1.0], jnp.float32)
+    dlse = jax.random.normal(jax.random.key(6), (b, h, sq), jnp.float32)
+    g = jax.shard_map(
+        lambda q, k, v, s: ring.ring_attention(q, k, v, axis_name="sp", causal=True, sinks=s,
+                                               return_lse=True),
+        mesh=mesh, in_specs=(spec, spec, spec, P()), out_specs=(spec, P(None, None, "sp")))
+    out, lse = jax.jit(g)(q, k, v, sinks)
+    np.testing.assert_array_equal(np.asarray(lse)[:, :, :sq - sk],
+                                  np.broadcast_to(np.asarray(sinks)[:, None], (b, h, sq - sk)))
+    dlse_s = jax.device_put(dlse, NamedSharding(mesh, P(None, None, "sp")))
+    grads = jax.jit(lambda *a: jax.vjp(g, *a)[1]((jnp.ones_like(q), dlse_s)))(q, k, v, sinks)
+    ref = helpers.reference_grads_f64(q, k, v, jnp.ones_like(q), dlse=dlse, sinks=sinks,
+                                      causal=True)
+    for g_, r in zip(grads, ref):
+        helpers.assert_finite("grad with sinks", g_)
+        np.testing.assert_allclose(g_, r, atol=5e-5)
 
 
 def test_ring_hlo_permutes_one_dtype_and_never_gathers():
