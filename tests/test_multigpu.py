@@ -57,6 +57,41 @@ def test_ring_with_kernels_matches_oracle(layout, opts, hkv):
                                  dout=dout if grads else None, **opts)
 
 
+@pytest.mark.parametrize("d,dv,opts", [
+    (192, 128, dict(causal=True)),
+    (128, 128, dict(causal=True, window_size=(256, -1))),  # sliding window + sink
+])
+def test_ring_with_kernels_sinks_and_value_head_dim(d, dv, opts):
+    """Ring attention over 2 GPUs with sinks (merged once, after the last block) and MLA's
+    head dims, kernels demanded: out, lse and (with a backward kernel) dq, dk, dv, dsinks by
+    the error-ratio rule against float64."""
+    helpers.skip_unless_kernel("fwd", jnp.bfloat16, d, dv)
+    mesh = _mesh()
+    b, s, hq, hkv = 1, 1024, 4, 2
+    q, k, v = helpers.random_qkv(jax.random.key(3), b, s, s, hq, hkv, d, jnp.bfloat16,
+                                 head_dim_v=dv)
+    sinks = helpers.random_sinks(4, hq, loc=3.0)
+    dout = helpers.random_like(jax.random.key(5), jnp.zeros((b, s, hq, dv), jnp.bfloat16))
+    perm = lambda x, a=1: ring.zigzag_permute(x, 2, a)
+    unperm = lambda x, a=1: ring.zigzag_unpermute(x, 2, a)
+
+    def f(q, k, v, sinks):
+        return sharding.context_parallel_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                                   layout="zigzag", sinks=sinks,
+                                                   return_lse=True, implementation="cuda",
+                                                   **opts)
+
+    put = lambda x: jax.device_put(perm(x), NamedSharding(mesh, P(None, "sp")))
+    (out, lse), vjp = jax.vjp(jax.jit(f), put(q), put(k), put(v), sinks)
+    grads = None
+    if _ffi.unavailable_reason("bwd", jnp.bfloat16, d, dv) is None:
+        *qkv_grads, dsinks = vjp((put(dout), jnp.zeros_like(lse)))
+        grads = [unperm(g) for g in qkv_grads] + [dsinks]
+    helpers.check_against_oracle(f"ring-sinks-{d}/{dv}", q, k, v, out=unperm(out),
+                                 lse=unperm(lse, 2), grads=grads,
+                                 dout=dout if grads else None, sinks=sinks, **opts)
+
+
 def test_batch_head_partition_runs_one_kernel_per_device():
     """(batch, heads) sharding over 2 GPUs: the kernel's custom call, no all-gather, results
     equal to one GPU."""
@@ -74,6 +109,17 @@ def test_batch_head_partition_runs_one_kernel_per_device():
     out, lse = fwd(qs, ks, vs)
     want_out, want_lse = jax.jit(lambda q, k, v: _core.attention_fwd(q, k, v, opts))(q, k, v)
     want = np.asarray(want_out, np.float32)  # the same per-head work: equal up to one ulp
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0,
+                               atol=float(jnp.finfo(jnp.bfloat16).eps) * np.abs(want).max())
+    np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-5)
+
+    # With sinks sharded like the query heads: the same as one GPU.
+    sinks = helpers.random_sinks(6, 8)
+    fwd = jax.jit(lambda q, k, v, s: sharding.partitioned_attention_fwd(q, k, v, opts, sinks=s))
+    out, lse = fwd(qs, ks, vs, jax.device_put(sinks, NamedSharding(mesh, P("model"))))
+    want_out, want_lse = jax.jit(lambda q, k, v, s: _core.attention_fwd(q, k, v, opts, sinks=s))(
+        q, k, v, sinks)
+    want = np.asarray(want_out, np.float32)
     np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=0,
                                atol=float(jnp.finfo(jnp.bfloat16).eps) * np.abs(want).max())
     np.testing.assert_allclose(lse, want_lse, rtol=0, atol=1e-5)
