@@ -83,7 +83,8 @@ def nnx_out_and_grad(module, call, dy):
 
 
 def ref_mha(p, xq, xkv, *, rope=False, q_pos=None, k_pos=None, **opts):
-    """Multi-head attention from a Flax-layout params dict {query,key,value,out: {kernel,bias}}."""
+    """Multi-head attention from a Flax-layout params dict {query,key,value,out: {kernel,bias}}
+    (and "sinks" (heads,) when the module has them)."""
 
     def proj(name, x):
         y = jnp.einsum("...f,fhd->...hd", x, p[name]["kernel"], precision=HIGHEST)
@@ -92,7 +93,7 @@ def ref_mha(p, xq, xkv, *, rope=False, q_pos=None, k_pos=None, **opts):
     q, k, v = proj("query", xq), proj("key", xkv), proj("value", xkv)
     if rope:
         q, k = apply_rope(q, q_pos), apply_rope(k, k_pos)
-    o = helpers.reference_jax(q, k, v, **opts)[0]
+    o = helpers.reference_jax(q, k, v, sinks=p.get("sinks"), **opts)[0]
     y = jnp.einsum("...hd,hdf->...f", o, p["out"]["kernel"], precision=HIGHEST)
     return y + p["out"]["bias"] if "bias" in p["out"] else y
 
@@ -202,6 +203,24 @@ def test_module_rejects_bad_config():
         EqxAttention(4, F, num_kv_heads=3, key=jax.random.key(0))
     with pytest.raises(ValueError, match="unbatched"):
         EqxAttention(H, F, key=jax.random.key(0))(inputs(0, 2, 4, F))
+
+
+def test_nnx_learnable_sinks():
+    """use_sinks: a (num_heads,) float32 parameter, zero at creation; forward and every
+    gradient (the sinks' included, nonzero) match the reference with the same sinks."""
+    m = MultiHeadAttention(H, F, num_kv_heads=2, causal=True, window_size=(3, -1),
+                           use_sinks=True, rngs=nnx.Rngs(0))
+    assert m.sinks[...].shape == (H,) and m.sinks[...].dtype == jnp.float32
+    assert not m.sinks[...].any()
+    assert MultiHeadAttention(H, F, rngs=nnx.Rngs(0)).sinks is None
+    m.sinks[...] = jnp.array([0.5, -1.0, 2.0, 0.0])  # trained values, not the zero start
+    xq, xkv, dy = inputs(1, 2, 7, F), inputs(2, 2, 11, F), inputs(3, 2, 7, F)
+    y, g = nnx_out_and_grad(m, lambda m: m(xq, xkv), dy)
+    y_ref, g_ref = out_and_grad(
+        lambda p: ref_mha(p, xq, xkv, causal=True, window_size=(3, -1)), nnx_params(m), dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(g, g_ref, 1e-4)
+    assert float(jnp.abs(g["sinks"]).min()) > 0
 
 
 # ------------------------------------------------------------------ attention_fn adapter
@@ -331,23 +350,44 @@ def test_linen_gqa_rope_matches_reference_and_roundtrips():
     assert_close(jax.jit(m.apply)(restored, x), y, 0, "serialization round trip")
 
 
+def test_linen_learnable_sinks():
+    m = LinenMultiHeadAttention(num_heads=H, num_kv_heads=2, causal=True, use_sinks=True)
+    x, dy = inputs(1, 2, 9, F), inputs(2, 2, 9, F)
+    params = jax.jit(m.init)(jax.random.key(0), x)["params"]
+    assert params["sinks"].shape == (H,) and params["sinks"].dtype == jnp.float32
+    assert not params["sinks"].any()
+    params = {**params, "sinks": jnp.array([1.0, -0.5, 0.0, 3.0])}
+    y, g = out_and_grad(lambda p: m.apply({"params": p}, x), params, dy)
+    y_ref, g_ref = out_and_grad(lambda p: ref_mha(p, x, x, causal=True), params, dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(g, g_ref, 1e-4)
+    assert float(jnp.abs(g["sinks"]).min()) > 0
+    plain = LinenMultiHeadAttention(num_heads=H).init(jax.random.key(0), x)["params"]
+    assert "sinks" not in plain
+
+
 # ------------------------------------------------------------------ Equinox module
 
 
-def eqx_as_flax_params(m, head_dim=8):
-    """The Equinox projections as a Flax-layout dict, for ref_mha."""
+def eqx_as_flax_params(m, head_dim=8, vo_size=None):
+    """The Equinox projections (and sinks) as a Flax-layout dict, for ref_mha."""
+    vo_size = head_dim if vo_size is None else vo_size
 
-    def proj(lin):
-        w = lin.weight.T  # (in, heads * head_dim)
-        p = {"kernel": w.reshape(w.shape[0], -1, head_dim)}
+    def proj(lin, size):
+        w = lin.weight.T  # (in, heads * size)
+        p = {"kernel": w.reshape(w.shape[0], -1, size)}
         if lin.bias is not None:
-            p["bias"] = lin.bias.reshape(-1, head_dim)
+            p["bias"] = lin.bias.reshape(-1, size)
         return p
 
-    out = {"kernel": m.output_proj.weight.T.reshape(-1, head_dim, m.output_proj.weight.shape[0])}
+    out = {"kernel": m.output_proj.weight.T.reshape(-1, vo_size, m.output_proj.weight.shape[0])}
     if m.output_proj.bias is not None:
         out["bias"] = m.output_proj.bias
-    return {"query": proj(m.query_proj), "key": proj(m.key_proj), "value": proj(m.value_proj), "out": out}
+    params = {"query": proj(m.query_proj, head_dim), "key": proj(m.key_proj, head_dim),
+              "value": proj(m.value_proj, vo_size), "out": out}
+    if m.sinks is not None:
+        params["sinks"] = m.sinks
+    return params
 
 
 def eqx_out_and_grad(module, call, dy):
@@ -383,6 +423,25 @@ def test_eqx_gqa_options_match_reference(opts):
         eqx_as_flax_params(m), dy)
     assert_close(y, y_ref, name="forward")
     assert_trees_close(eqx_as_flax_params(g), g_ref, 1e-4)
+
+
+def test_eqx_learnable_sinks_and_value_head_dim():
+    """use_sinks and vo_size != qk_size (each head's values and outputs): forward and every
+    gradient, the sinks' included, match the reference."""
+    m = EqxAttention(H, F, num_kv_heads=2, qk_size=8, vo_size=12, causal=True, use_sinks=True,
+                     key=jax.random.key(0))
+    assert m.sinks.shape == (H,) and m.sinks.dtype == jnp.float32 and not m.sinks.any()
+    assert EqxAttention(H, F, key=jax.random.key(0)).sinks is None
+    m = eqx.tree_at(lambda m: m.sinks, m, jnp.array([0.5, 2.0, -1.0, 0.0]))
+    x, dy = inputs(1, 10, F), inputs(2, 10, F)
+    y, g = eqx_out_and_grad(m, lambda m: m(x), dy)
+    y_ref, g_ref = out_and_grad(lambda p: ref_mha(p, x, x, causal=True),
+                                eqx_as_flax_params(m, 8, 12), dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(eqx_as_flax_params(g, 8, 12), g_ref, 1e-4)
+    assert float(jnp.abs(g.sinks).min()) > 0
+    batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, jnp.stack([x, -x]))
+    assert_close(batched[0], y, name="vmap")
 
 
 def _loops_of_length(jaxpr, n):

@@ -1,5 +1,6 @@
 """What the Flax and Equinox attention modules share: default key/value inputs, optional RoPE,
-and the call into jax_fa3.flash_attention. Framework-free (JAX only)."""
+learnable attention sinks, and the call into jax_fa3.flash_attention. Framework-free (JAX
+only)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ OPTION_FIELDS = ("causal", "window_size", "softcap", "softmax_scale", "rope", "r
 def module_options(module) -> dict:
     """The attention options of a module (NNX, Linen or Equinox) as `attend` keywords."""
     return {name: getattr(module, name) for name in OPTION_FIELDS}
+
+
+def initial_sinks(num_heads: int) -> jax.Array:
+    """The modules' learnable attention sinks at creation: one float32 logit per query head,
+    zero (each row's softmax denominator starts with exp(0) = 1 of weight on no value)."""
+    return jnp.zeros((num_heads,), jnp.float32)
 
 
 def self_attention_defaults(inputs_q, inputs_k, inputs_v):
@@ -50,8 +57,10 @@ def attend(
     positions: jax.Array | None,
     kv_positions: jax.Array | None,
     implementation: Implementation,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """RoPE (optional) + jax_fa3.flash_attention on ``(batch..., seqlen, heads, head_dim)``."""
+    """RoPE (optional) + jax_fa3.flash_attention on ``(batch..., seqlen, heads, head_dim)``
+    (value: ``head_dim_v``, which the result takes); ``sinks`` ``(heads,)`` or None."""
     batch_shape = query.shape[:-3]
     if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
         raise ValueError(
@@ -81,6 +90,7 @@ def attend(
         causal=causal,
         window_size=tuple(window_size),
         softcap=softcap,
+        sinks=sinks,
         implementation=implementation,
     )
     return out.reshape(query.shape[:-1] + value.shape[-1:])

@@ -22,7 +22,7 @@ except ImportError as err:  # pragma: no cover - exercised by a monkeypatched te
 
 import jax
 
-from jax_fa3.nn._core import attend, module_options
+from jax_fa3.nn._core import attend, initial_sinks, module_options
 
 __all__ = ["MultiheadAttention"]
 
@@ -33,7 +33,10 @@ class MultiheadAttention(eqx.Module):
     The projections are named and shaped as in ``eqx.nn.MultiheadAttention``
     (``query_proj``, ``key_proj``, ``value_proj``, ``output_proj``, heads laid out
     head-major in the projected features), so weights move over with ``eqx.tree_at``. With
-    ``num_kv_heads < num_heads`` the key/value projections are narrower (GQA). No dropout.
+    ``num_kv_heads < num_heads`` the key/value projections are narrower (GQA); ``vo_size``
+    may differ from ``qk_size`` (each head's values and outputs, MLA-style 192/128, say).
+    ``use_sinks`` adds learnable attention sinks, ``sinks`` ``(num_heads,)`` float32, zero at
+    creation (``None`` without). No dropout.
 
     Example::
 
@@ -46,6 +49,7 @@ class MultiheadAttention(eqx.Module):
     key_proj: eqx.nn.Linear
     value_proj: eqx.nn.Linear
     output_proj: eqx.nn.Linear
+    sinks: jax.Array | None
 
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
@@ -78,6 +82,7 @@ class MultiheadAttention(eqx.Module):
         softmax_scale: float | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
+        use_sinks: bool = False,
         implementation: Literal["cuda", "xla"] | None = None,
         dtype: Any = None,
         key: jax.Array,
@@ -90,6 +95,9 @@ class MultiheadAttention(eqx.Module):
           softcap: tanh soft-capping of the logits, ``0`` = off.
           softmax_scale: defaults to ``1 / sqrt(qk_size)``.
           rope: rotate queries and keys by their positions (see ``__call__``).
+          use_sinks: learnable attention sinks (gpt-oss style): ``sinks``, one float32 logit
+            per query head, zero at creation, passed as :func:`jax_fa3.flash_attention`'s
+            ``sinks``.
           implementation: ``None``, ``"cuda"`` or ``"xla"`` (see :func:`jax_fa3.flash_attention`).
           key: PRNG key for the initial weights.
         """
@@ -110,6 +118,7 @@ class MultiheadAttention(eqx.Module):
         self.key_proj = linear(key_size, num_kv_heads * qk_size, use_key_bias, kkey)
         self.value_proj = linear(value_size, num_kv_heads * vo_size, use_value_bias, vkey)
         self.output_proj = linear(num_heads * vo_size, output_size, use_output_bias, okey)
+        self.sinks = initial_sinks(num_heads) if use_sinks else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.causal = causal
@@ -155,5 +164,5 @@ class MultiheadAttention(eqx.Module):
         k = heads(self.key_proj, key_, self.num_kv_heads)
         v = heads(self.value_proj, value, self.num_kv_heads)
         out = attend(q[None], k[None], v[None], positions=positions, kv_positions=kv_positions,
-                     **module_options(self))[0]
+                     sinks=self.sinks, **module_options(self))[0]
         return jax.vmap(self.output_proj)(out.reshape(out.shape[0], -1))

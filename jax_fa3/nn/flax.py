@@ -8,7 +8,9 @@ Three ways in, from least to most change to an existing model:
 * :class:`MultiHeadAttention` (NNX) and :class:`LinenMultiHeadAttention`: the same parameter
   layout as Flax's multi-head attention (``query``/``key``/``value``/``out`` linear maps), plus
   what flash attention does natively: GQA (``num_kv_heads``), bottom-right aligned causal masks,
-  sliding windows, logit soft-capping and optional RoPE. No dropout.
+  sliding windows, logit soft-capping, optional RoPE and optional learnable attention sinks
+  (``use_sinks``: a ``sinks`` parameter of shape ``(num_heads,)``, float32, zero at creation).
+  No dropout.
 
 Flax is an optional dependency: ``pip install 'jax-fa3[flax]'``.
 """
@@ -31,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa3
-from jax_fa3.nn._core import Implementation, attend, module_options, self_attention_defaults
+from jax_fa3.nn._core import (Implementation, attend, initial_sinks, module_options,
+                              self_attention_defaults)
 
 __all__ = [
     "LinenMultiHeadAttention",
@@ -214,6 +217,7 @@ class MultiHeadAttention(nnx.Module):
         softmax_scale: float | None = None,
         rope: bool = False,
         rope_base: float = 10000.0,
+        use_sinks: bool = False,
         implementation: Implementation = None,
         dtype: Dtype | None = None,
         param_dtype: Dtype = jnp.float32,
@@ -234,6 +238,9 @@ class MultiHeadAttention(nnx.Module):
           softmax_scale: defaults to ``1 / sqrt(head_dim)``, as in Flax.
           rope: rotate queries and keys by their positions (see ``__call__``).
           rope_base: RoPE base wavelength.
+          use_sinks: learnable attention sinks (gpt-oss style): a ``sinks`` parameter, one
+            float32 logit per query head, zero at creation, passed as
+            :func:`jax_fa3.flash_attention`'s ``sinks``. ``None`` (no parameter) otherwise.
           implementation: ``None``, ``"cuda"`` or ``"xla"``, passed to
             :func:`jax_fa3.flash_attention`.
           precision: precision of the four projections (attention has a fixed one).
@@ -278,6 +285,7 @@ class MultiHeadAttention(nnx.Module):
             kernel_init=out_kernel_init or kernel_init,
             bias_init=out_bias_init or bias_init,
         )
+        self.sinks = nnx.Param(initial_sinks(num_heads)) if use_sinks else None
 
     def __call__(
         self,
@@ -301,8 +309,9 @@ class MultiHeadAttention(nnx.Module):
                 f"inputs_q has {inputs_q.shape[-1]} features, the module expects {self.in_features}"
             )
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+        sinks = None if self.sinks is None else self.sinks[...]
         x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
-                   **module_options(self))
+                   sinks=sinks, **module_options(self))
         return self.out(x)
 
 
@@ -316,7 +325,8 @@ class LinenMultiHeadAttention(linen.Module):
 
     The params tree is ``{"query", "key", "value", "out"}`` of ``DenseGeneral`` kernels/biases,
     so a ``MultiHeadDotProductAttention`` params dict loads as is (``num_kv_heads`` equal to
-    ``num_heads``). ``key``/``value`` project to ``num_kv_heads`` heads for GQA.
+    ``num_heads``). ``key``/``value`` project to ``num_kv_heads`` heads for GQA. With
+    ``use_sinks`` the tree also holds ``"sinks"``, ``(num_heads,)`` float32, zero at creation.
     """
 
     num_heads: int
@@ -329,6 +339,7 @@ class LinenMultiHeadAttention(linen.Module):
     softmax_scale: float | None = None
     rope: bool = False
     rope_base: float = 10000.0
+    use_sinks: bool = False
     implementation: Implementation = None
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
@@ -371,8 +382,11 @@ class LinenMultiHeadAttention(linen.Module):
         query = dense((self.num_heads, head_dim), "query", **init)(inputs_q)
         key = dense((num_kv_heads, head_dim), "key", **init)(inputs_k)
         value = dense((num_kv_heads, head_dim), "value", **init)(inputs_v)
+        sinks = None
+        if self.use_sinks:
+            sinks = self.param("sinks", lambda _, n: initial_sinks(n), self.num_heads)
         x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
-                   **module_options(self))
+                   sinks=sinks, **module_options(self))
         return dense(
             out_features,
             "out",
