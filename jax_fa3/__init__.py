@@ -4,8 +4,8 @@
     out = flash_attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
 
 `build_info()` says what the CUDA extension holds (None when it is not built);
-`unavailable_reason(direction, dtype, head_dim)` says why a kernel cannot run here (the
-missing Hopper GPU or build first). docs/architecture.md describes the layers.
+`unavailable_reason(direction, dtype, head_dim, head_dim_v=None)` says why a kernel cannot run
+here (the missing Hopper GPU or build first). docs/architecture.md describes the layers.
 """
 
 from jax_fa3._ffi import build_info, is_built

@@ -336,14 +336,16 @@ def _plain_jit(q, k, v, sinks, opts):
     return _plain(q, k, v, sinks, **dict(opts))
 
 
-@functools.partial(jax.jit, static_argnums=5)
-def _plain_fwd_bwd_jit(q, k, v, sinks, dout, opts):
+@functools.partial(jax.jit, static_argnums=6)
+def _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse, opts):
     """out, lse and the gradients (dq, dk, dv[, dsinks]) of the baseline, in the input
-    dtype (the sinks, float32 in, rounded to it: dsinks comes back in it too)."""
+    dtype (the sinks, float32 in, rounded to it: dsinks comes back in it too), for the
+    cotangents dout and dlse (None: zero)."""
     args = (q, k, v) + (() if sinks is None else (sinks.astype(q.dtype),))
     f = lambda q, k, v, *s: _plain(q, k, v, s[0] if s else None, **dict(opts))
     (out, lse), vjp = jax.vjp(f, *args)
-    return out, lse, vjp((dout.astype(q.dtype), jnp.zeros_like(lse)))
+    dlse = jnp.zeros_like(lse) if dlse is None else dlse.astype(lse.dtype)
+    return out, lse, vjp((dout.astype(q.dtype), dlse))
 
 
 def plain_in_dtype(q, k, v, return_lse=False, sinks=None, **opts):
@@ -355,7 +357,7 @@ def plain_in_dtype(q, k, v, return_lse=False, sinks=None, **opts):
 def plain_grads_in_dtype(q, k, v, dout, sinks=None, **opts):
     """Gradients (dq, dk, dv) of the baseline, by autodiff in the input dtype; with
     `sinks`, (dq, dk, dv, dsinks)."""
-    return _plain_fwd_bwd_jit(q, k, v, sinks, dout, _static(opts))[2]
+    return _plain_fwd_bwd_jit(q, k, v, sinks, dout, None, _static(opts))[2]
 
 
 # ----------------------------------------------------------------------------- the check
@@ -394,15 +396,16 @@ def assert_error_ratio(name, got, ref, baseline, ratio=2.0, slack=None):
 
 
 def check_against_oracle(name, q, k, v, out=None, lse=None, grads=None, dout=None, ratio=2.0,
-                         sinks=None, **opts):
+                         sinks=None, dlse=None, **opts):
     """Assert the error-ratio rule for whichever of out, lse and grads (dq, dk, dv for the
-    output cotangent `dout`, and dsinks after them when there are `sinks`) are given,
-    against the float64 oracle and the plain baseline with the same `opts`. Also checks that
-    nothing is NaN (lse may be -inf where the oracle is). Returns {quantity: (error,
-    baseline error)}."""
+    output cotangent `dout` and the LSE cotangent `dlse` (None: none), and dsinks after them
+    when there are `sinks`) are given, against the float64 oracle and the plain baseline
+    with the same `opts`. Also checks that nothing is NaN (lse may be -inf where the oracle
+    is). Returns {quantity: (error, baseline error)}."""
     errors = {}
     if grads is not None:  # one compile for the whole baseline
-        base_out, base_lse, base_grads = _plain_fwd_bwd_jit(q, k, v, sinks, dout, _static(opts))
+        base_out, base_lse, base_grads = _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse,
+                                                            _static(opts))
     else:
         base_out, base_lse = plain_in_dtype(q, k, v, return_lse=True, sinks=sinks, **opts)
     ref_out, ref_lse = reference_f64(q, k, v, sinks=sinks, **opts)
@@ -416,7 +419,7 @@ def check_against_oracle(name, q, k, v, out=None, lse=None, grads=None, dout=Non
         names = ("dq", "dk", "dv") + (() if sinks is None else ("dsinks",))
         if len(grads) != len(names):
             raise AssertionError(f"{name}: {len(grads)} gradients, expected {names}")
-        ref_grads = reference_grads_f64(q, k, v, dout, sinks=sinks, **opts)
+        ref_grads = reference_grads_f64(q, k, v, dout, dlse=dlse, sinks=sinks, **opts)
         # The FlashAttention backward forms dS = P * (dP - D) with D = rowsum(dout * out): a
         # cancellation whose float32 rounding is of order eps32 * sum|dout * out| per row even
         # where the exact gradient vanishes (one key: dq = dk = 0); dk sums it over the query

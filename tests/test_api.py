@@ -68,10 +68,10 @@ def test_flash_attention_with_sinks_and_value_head_dim_matches_oracle(case):
     dout = random_like(43, jnp.zeros((b, sq, hq, dv), dtype))
 
     @jax.jit
-    def run(q, k, v, sinks):
-        (out, lse), vjp = jax.vjp(lambda q, k, v, s: flash_attention(
-            q, k, v, sinks=s, return_lse=True, **opts), q, k, v, sinks)
-        return out, lse, vjp((dout, jnp.zeros_like(lse)))
+    def run(q, k, v, sinks):  # lse as aux: no LSE cotangent, so the kernel backward can run
+        out, vjp, lse = jax.vjp(lambda q, k, v, s: flash_attention(
+            q, k, v, sinks=s, return_lse=True, **opts), q, k, v, sinks, has_aux=True)
+        return out, lse, vjp(dout)
 
     out, lse, grads = run(q, k, v, sinks)
     assert out.shape == (b, sq, hq, dv) and grads[3].dtype == F32

@@ -66,6 +66,29 @@ def test_empty(impl, b, sq, sk):
     assert nn.shape == q.shape and (_f32(nn) == 0).all()
 
 
+@pytest.mark.parametrize("impl", PATHS)
+def test_empty_keys_with_sinks(impl):
+    """seqlen_k 0 with sinks: no row sees a key, so out is 0 and lse the head's sink; the
+    sinks' gradient is the LSE cotangent's sum (p0 = 1, D = 0), the rest zero, no launch."""
+    _need(impl)
+    q, k, v = random_qkv(1, 2, 9, 0, 4, 2, D, BF16)
+    sinks = jnp.asarray([0.5, -1.0, -jnp.inf, 2.0], F32)
+    dout = random_like(2, q)
+    dlse = jnp.asarray(np.random.default_rng(3).standard_normal((2, 4, 9)), F32)
+
+    def f(q, k, v, s):
+        (out, lse), vjp = jax.vjp(lambda q, k, v, s: flash_attention(
+            q, k, v, sinks=s, return_lse=True, implementation=impl), q, k, v, s)
+        return out, lse, vjp((dout, dlse))
+
+    assert f"@{_ffi.FWD_TARGET}(" not in jax.jit(f).lower(q, k, v, sinks).as_text()
+    out, lse, (dq, dk, dv, dsinks) = jax.device_get(jax.jit(f)(q, k, v, sinks))
+    assert (_f32(out) == 0).all() and (_f32(dq) == 0).all()
+    np.testing.assert_array_equal(lse, np.broadcast_to(np.asarray(sinks)[None, :, None], lse.shape))
+    want = np.where(np.isfinite(sinks), np.asarray(dlse).sum(axis=(0, 2)), 0.0)
+    np.testing.assert_allclose(dsinks, want, rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- scale 0
 
 @pytest.mark.parametrize("impl", [None, "xla"])
