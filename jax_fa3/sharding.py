@@ -131,9 +131,9 @@ def plan_shardings(mesh_shape: dict, q_spec, q_shape, k_shape) -> AttentionShard
     """The shardings of one attention call, decided from the query's PartitionSpec.
 
     mesh_shape: {axis name: size}; q_shape (b, sq, hq, d); k_shape (b, sk, hkv, d) (v's
-    head dim plays no part). The
-    query is the authority (outputs come back with its sharding); k/v are resharded to match.
-    head_dim is never sharded. A sequence sharding is kept only if it also divides seq_k."""
+    head dim plays no part). The query is the authority (outputs come back with its
+    sharding); k/v are resharded to match. Head dims are never sharded. A sequence sharding
+    is kept only if it also divides seq_k."""
     spec = tuple(q_spec) + (None,) * (4 - len(tuple(q_spec)))
     batch, seq, heads = _axes(spec[0]), _axes(spec[1]), _axes(spec[2])
     if k_shape[1] % _size(mesh_shape, seq):

@@ -43,8 +43,8 @@ def point_inputs(monkeypatch):
 def _time_point(impls, direction, q, k, v):
     args = argparse.Namespace(impls=impls, xla_max_seqlen=0, target_ms=0.5, repeats=2,
                               max_rel_err=0.02)
-    point = dict(dtype="float32", head_dim=32, seqlen=64, batch=2, heads=2, causal=True,
-                 direction=direction)
+    point = dict(dtype="float32", head_dim=32, head_dim_v=32, seqlen=64, batch=2, heads=2,
+                 causal=True, direction=direction)
     return {r["impl"]: r for r in bench_attention.time_point(args, point, q, k, v)}
 
 
