@@ -10,7 +10,9 @@ unmasked and the banded forward tiles (causal, local window, the hd64 long-band 
 hd256 narrow tiles), softcap, GQA and MQA, seqlen_q != seqlen_k, lengths that are no multiple of
 any tile, the deterministic backward, the backward tail split (d <= 128: every unmasked call with
 fewer key blocks than SMs runs split, and one bf16 call per head dim has a full wave of whole
-units before its split ones) and the split-D backward (d = 256). `--coverage` runs them under the JAX profiler and
+units before its split ones), the split-D backward (d = 256), head dims below the compiled one
+(loads zero-filled past them, stores clipped), v's own head dim (MLA's 192/128 on the 192
+kernel) and attention sinks (with their gradient). `--coverage` runs them under the JAX profiler and
 fails unless every fa3 kernel in the extension was launched at least once.
 
 scripts/sanitize.sh runs this under memcheck, racecheck, initcheck and synccheck.
@@ -51,10 +53,17 @@ class Case:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     deterministic: bool = False
+    dv: int = 0  # v's head dim (0: d)
+    sinks: bool = False
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.d
 
     def label(self) -> str:
         opts = ["causal" if self.causal else "", f"window={self.window}" if self.window != (-1, -1) else "",
-                f"softcap={self.softcap:g}" if self.softcap else "", "deterministic" if self.deterministic else ""]
+                f"softcap={self.softcap:g}" if self.softcap else "", "deterministic" if self.deterministic else "",
+                f"dv={self.dv}" if self.dv else "", "sinks" if self.sinks else ""]
         return (f"{self.name} {self.dtype} d={self.d} b={self.b} sq={self.sq} sk={self.sk} "
                 f"hq={self.hq} hkv={self.hkv} {' '.join(o for o in opts if o)}").rstrip()
 
@@ -84,6 +93,14 @@ def cases_for(dtype: str, d: int) -> list[Case]:
         c.append(Case("tail-split", dtype, d, 1, 700, 256, hkv, hkv))
     if d == 64:  # the 192-row banded tile for long bands (FwdTileTable<64>::long_banded)
         c.append(Case("long-band", dtype, d, 1, 4100, 4100, 1, 1, causal=True))
+    # Head dims below d run on this kernel (the next compiled one is d's predecessor in
+    # 64/96/128/192/256, which d - 8 exceeds): q/k/v narrower, then only v narrower.
+    c.append(Case("head-dim-clipped", dtype, d - 8, 2, 200, 513, 4, 2, causal=True))
+    c.append(Case("head-dim-clipped-full", dtype, d - 8, 1, 130, 300, 2, 2))
+    c.append(Case("value-dim", dtype, d, 1, 300, 400, 4, 2, dv=d - 16, deterministic=True))
+    c.append(Case("sinks-window", dtype, d, 2, 300, 700, 4, 2, window=(100, 0), sinks=True))
+    if d == 192:  # MLA: q/k 192, v 128
+        c.append(Case("mla", dtype, d, 1, 257, 513, 4, 1, causal=True, dv=128, sinks=True))
     return c
 
 
@@ -113,19 +130,22 @@ def run_case(c: Case) -> float:
     cache, before the sanitizer runs."""
     rng = np.random.default_rng(zlib.crc32(c.label().encode()))
     dt = jnp.dtype(c.dtype)
-    shape_q, shape_kv = (c.b, c.sq, c.hq, c.d), (c.b, c.sk, c.hkv, c.d)
+    shape_q, shape_k = (c.b, c.sq, c.hq, c.d), (c.b, c.sk, c.hkv, c.d)
+    shape_v, shape_o = (c.b, c.sk, c.hkv, c.head_dim_v), (c.b, c.sq, c.hq, c.head_dim_v)
     # Host-made inputs: a host-to-device copy initialises them in initcheck's eyes.
-    q, k, v = (jax.device_put(rng.standard_normal(s).astype(dt)) for s in (shape_q, shape_kv, shape_kv))
-    w = jax.device_put(rng.standard_normal(shape_q).astype(np.float32))
+    q, k, v = (jax.device_put(rng.standard_normal(s).astype(dt)) for s in (shape_q, shape_k, shape_v))
+    w = jax.device_put(rng.standard_normal(shape_o).astype(np.float32))
+    sinks = jax.device_put(rng.standard_normal(c.hq).astype(np.float32)) if c.sinks else None
 
-    def loss(q, k, v, w):
+    def loss(q, k, v, sinks, w):
         out = jax_fa3.flash_attention(q, k, v, causal=c.causal, window_size=c.window, softcap=c.softcap,
-                                      deterministic=c.deterministic, implementation="cuda")
+                                      deterministic=c.deterministic, sinks=sinks, implementation="cuda")
         return (out.astype(jnp.float32) * w).sum(), out
 
     t0 = time.perf_counter()
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, w)
-    for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+    argnums = (0, 1, 2, 3) if c.sinks else (0, 1, 2)
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(q, k, v, sinks, w)
+    for name, x in zip(("out", "dq", "dk", "dv", "dsinks"), (out, *grads)):
         x = np.asarray(x, np.float32)
         if not np.isfinite(x).all():
             raise AssertionError(f"{c.label()}: {name} has non-finite values")
