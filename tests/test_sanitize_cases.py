@@ -25,8 +25,18 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
 def test_cases_cover_every_option(dtype, d):
+    """cases_for(dtype, d) are the calls that run on the kernel of head dim d: head dims
+    above the previous compiled one and up to d (q/k's or v's, whichever is larger), with
+    every option the kernels branch on, head dims that the kernel clips, v's own head dim,
+    and sinks."""
     cases = sanitize_cases.cases_for(dtype, d)
-    assert all(c.dtype == dtype and c.d == d for c in cases)
+    below = max((x for x in HEAD_DIMS if x < d), default=0)
+    assert all(c.dtype == dtype and below < max(c.d, c.head_dim_v) <= d for c in cases)
+    assert any(c.d == d and c.head_dim_v == d for c in cases)  # the kernel's own head dim
+    assert any(c.d < d for c in cases) and any(c.head_dim_v != c.d for c in cases)
+    assert any(c.sinks for c in cases)
+    if d == 192:
+        assert any(c.d == 192 and c.head_dim_v == 128 for c in cases)  # MLA
     assert any(c.causal for c in cases) and any(c.window != (-1, -1) for c in cases)
     assert any(not c.causal and c.window == (-1, -1) for c in cases)  # the unmasked tile
     assert any(c.softcap for c in cases) and any(c.deterministic for c in cases)
