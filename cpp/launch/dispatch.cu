@@ -31,16 +31,24 @@ bool bwd_compiled(DType dtype, int head_dim) {
   return false;
 }
 
-int fwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
+namespace {
+
+// The smallest head dim with a tile table that `compiled` holds for this dtype and that is at
+// least both head dims, or 0.
+int smallest_compiled(bool (*compiled)(DType, int), DType dtype, int head_dim, int head_dim_v) {
   for (int d : kKernelHeadDims)
-    if (d >= std::max(head_dim, head_dim_v) && fwd_compiled(dtype, d)) return d;
+    if (d >= std::max(head_dim, head_dim_v) && compiled(dtype, d)) return d;
   return 0;
 }
 
+}  // namespace
+
+int fwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
+  return smallest_compiled(fwd_compiled, dtype, head_dim, head_dim_v);
+}
+
 int bwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
-  for (int d : kKernelHeadDims)
-    if (d >= std::max(head_dim, head_dim_v) && bwd_compiled(dtype, d)) return d;
-  return 0;
+  return smallest_compiled(bwd_compiled, dtype, head_dim, head_dim_v);
 }
 
 size_t fwd_workspace_bytes(const FwdParams& p) {
