@@ -2,6 +2,8 @@
 
     from jax_fa3 import flash_attention, dot_product_attention
     out = flash_attention(q, k, v, causal=True)          # (batch, seqlen, heads, head_dim)
+    out = flash_attention(q, k, v, causal=True, q_segment_ids=ids)   # packed documents
+    out = flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)  # (tokens, heads, dim)
 
 `build_info()` says what the CUDA extension holds (None when it is not built);
 `unavailable_reason(direction, dtype, head_dim, head_dim_v=None)` says why a kernel cannot run
@@ -9,11 +11,13 @@ here (the missing Hopper GPU or build first). docs/architecture.md describes the
 """
 
 from jax_fa3._ffi import build_info, is_built
-from jax_fa3.attention import flash_attention, kernel_available, unavailable_reason
+from jax_fa3.attention import (flash_attention, flash_attention_varlen, kernel_available,
+                               unavailable_reason)
 from jax_fa3.compat import dot_product_attention
 
 __all__ = [
     "flash_attention",
+    "flash_attention_varlen",
     "dot_product_attention",
     "build_info",
     "is_built",

@@ -16,7 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_fa3 import _ffi, _masks, _ops, _validate, portable
+from jax_fa3 import _ffi, _masks, _ops, _validate, portable, segments as _segments
 from jax_fa3._masks import UNBOUNDED
 
 
@@ -141,7 +141,7 @@ def _on_kernel(q, k, kv_lengths) -> bool:
     return kv_lengths is None and not is_empty(q, k)
 
 
-def attention_fwd(q, k, v, opts: Options, sinks=None, kv_lengths=None):
+def attention_fwd(q, k, v, opts: Options, sinks=None, kv_lengths=None, segments=None):
     """(out, lse) of attention on local arrays, without autodiff rules.
 
     q (b, sq, hq, d); k (b, sk, hkv, d); v (b, sk, hkv, dv); out (b, sq, hq, dv) in q's
@@ -149,18 +149,30 @@ def attention_fwd(q, k, v, opts: Options, sinks=None, kv_lengths=None):
     out is 0). `sinks` None or (hq,) float32 attention-sink logits: each row's softmax
     denominator gains exp(sinks[h]), lse includes it (a row that sees no key: lse sinks[h]).
     `kv_lengths` (b,) int32 (the number of valid keys per batch row) runs the portable path.
+    `segments` None or a `jax_fa3.segments.Segments` (packed documents, id 0 = padding): on
+    the kernel they become document bands (`segments.kernel_bands`; a batch row that breaks
+    the kernel contract gets NaN), on the portable path the exact equality rule.
     An empty call (seqlen_q, seqlen_k or batch 0) needs no kernel: out 0, lse -inf (or the
     sink), gradients 0, whatever the implementation."""
     if opts.implementation == "cuda" and _on_kernel(q, k, kv_lengths):
-        return _ops.fwd(q, k, v, sinks, softmax_scale=opts.softmax_scale, softcap=opts.softcap,
-                        window_left=opts.left, window_right=opts.right)
+        bands, left, right = _kernel_bands(segments, opts, q, k)
+        return _ops.fwd(q, k, v, sinks, bands, softmax_scale=opts.softmax_scale,
+                        softcap=opts.softcap, window_left=left, window_right=right)
     return portable.forward(q, k, v, sinks, softmax_scale=opts.softmax_scale,
                             softcap=opts.softcap, left=opts.left, right=opts.right,
-                            kv_lengths=kv_lengths)
+                            kv_lengths=kv_lengths, segments=segments)
+
+
+def _kernel_bands(segments, opts: Options, q, k):
+    """(bands, left, right) for the kernels: no bands and the options' band without
+    segments; with them, `segments.kernel_bands` (unbounded band with positions)."""
+    if segments is None:
+        return None, opts.left, opts.right
+    return _segments.kernel_bands(segments, opts.left, opts.right, q.shape[1], k.shape[1])
 
 
 def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
-                  kv_lengths=None):
+                  kv_lengths=None, segments=None):
     """(dq, dk, dv, dsinks): dq, dk, dv in the dtypes of q, k, v, and the float32 (hq,)
     gradient of `sinks` (None without sinks), without autodiff rules.
 
@@ -169,16 +181,19 @@ def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
     gradients of this chunk's q, k, v; lse includes the sinks, so dq, dk, dv need nothing
     else of them, and dsinks comes from lse and D (`portable.sinks_grad`). `dlse` is an
     optional LSE cotangent (b, hq, sq), taken by the portable backward; `deterministic`
-    orders the kernel's dQ accumulation (the portable backward always is deterministic)."""
+    orders the kernel's dQ accumulation (the portable backward always is deterministic).
+    `segments` as for `attention_fwd` (padding rows and keys get zero gradients)."""
     with_d = sinks is not None
     if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, v, opts, dlse):
-        grads = _ops.bwd(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
-                         softcap=opts.softcap, window_left=opts.left, window_right=opts.right,
+        bands, left, right = _kernel_bands(segments, opts, q, k)
+        grads = _ops.bwd(q, k, v, out, lse, dout, bands, softmax_scale=opts.softmax_scale,
+                         softcap=opts.softcap, window_left=left, window_right=right,
                          deterministic=opts.deterministic, return_dpsum=with_d)
     else:
         grads = portable.backward(q, k, v, out, lse, dout, softmax_scale=opts.softmax_scale,
                                   softcap=opts.softcap, left=opts.left, right=opts.right,
-                                  kv_lengths=kv_lengths, dlse=dlse, return_dpsum=with_d)
+                                  kv_lengths=kv_lengths, segments=segments, dlse=dlse,
+                                  return_dpsum=with_d)
     if not with_d:
         return (*grads, None)
     dq, dk, dv, dpsum = grads

@@ -161,3 +161,105 @@ def kernel_input_reason(dtype, head_dim: int, head_dim_v: int | None = None) -> 
         if d is not None and (d % 8 != 0 or d > MAX_HEAD_DIM):
             return f"the kernels need {label} a multiple of 8 up to {MAX_HEAD_DIM}, got {d}"
     return None
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+def _int_array(name: str, x, shape: tuple, expected: str):
+    """x as an int32 array of `shape`; any integer dtype is accepted (and cast), bool is not."""
+    x = as_array(name, x)
+    if x.dtype == jnp.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array (int32) of shape {shape} "
+                        f"({expected}), got dtype {x.dtype} with shape {x.shape}")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape} ({expected}), got shape {x.shape} "
+                         f"(dtype {x.dtype})")
+    return x.astype(jnp.int32)
+
+
+def check_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions, q_shape, k_shape):
+    """None, or the (q_ids, kv_ids, q_pos, kv_pos) int32 arrays of a packed call (positions
+    both None or both arrays), for q of shape (b, sq, ...) and k of shape (b, sk, ...).
+
+    Only q ids: the kv ids are the same (seqlen_q == seqlen_k). Only kv ids: an error.
+    Positions need segment ids; one side's positions alone stand for the other side's too when
+    the two sides share their ids (kv_segment_ids None, or the very same array)."""
+    b, sq, sk = q_shape[0], q_shape[1], k_shape[1]
+    if q_segment_ids is None:
+        for name, x in (("kv_segment_ids", kv_segment_ids), ("q_positions", q_positions),
+                        ("kv_positions", kv_positions)):
+            if x is not None:
+                raise ValueError(f"{name} was given without q_segment_ids: pass q_segment_ids "
+                                 f"(batch, seqlen_q) too (positions and key ids need the "
+                                 f"query ids)")
+        return None
+    shared = kv_segment_ids is None or kv_segment_ids is q_segment_ids
+    if kv_segment_ids is None and sq != sk:
+        raise ValueError(f"q_segment_ids alone stands for the keys' ids too, which needs "
+                         f"seqlen_q == seqlen_k; got seqlen_q {sq} and seqlen_k {sk}: pass "
+                         f"kv_segment_ids of shape ({b}, {sk})")
+    q_ids = _int_array("q_segment_ids", q_segment_ids, (b, sq),
+                       "(batch, seqlen_q) of the query q, 0 = padding")
+    kv_ids = q_ids if kv_segment_ids is None else _int_array(
+        "kv_segment_ids", kv_segment_ids, (b, sk), "(batch, seqlen_k) of the key k, 0 = padding")
+    if (q_positions is None) != (kv_positions is None) and not shared:
+        given = "q_positions" if kv_positions is None else "kv_positions"
+        missing = "kv_positions" if kv_positions is None else "q_positions"
+        raise ValueError(f"{given} was given without {missing}: one side's positions stand "
+                         f"for both only when the sides share their segment ids "
+                         f"(kv_segment_ids None or the same array); pass {missing} too")
+    q_pos = kv_pos = None
+    if q_positions is not None:
+        q_pos = _int_array("q_positions", q_positions, (b, sq),
+                           "(batch, seqlen_q), the position of each query in its document")
+    if kv_positions is not None:
+        kv_pos = _int_array("kv_positions", kv_positions, (b, sk),
+                            "(batch, seqlen_k), the position of each key in its document")
+    if q_pos is None and kv_pos is not None:
+        q_pos = kv_pos
+    elif kv_pos is None and q_pos is not None:
+        kv_pos = q_pos
+    return q_ids, kv_ids, q_pos, kv_pos
+
+
+def _concrete(x):
+    """x's values as numpy when known at trace time, else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int,
+                     total_k: int):
+    """The varlen offsets as int32 (n + 1,) arrays of one length n + 1 >= 1. max_seqlen_* are
+    static ints >= 0. Offsets known at trace time are checked too: non-decreasing from 0, the
+    last at most the number of tokens, no sequence longer than its max_seqlen."""
+    max_q = static_int("max_seqlen_q", max_seqlen_q)
+    max_k = static_int("max_seqlen_k", max_seqlen_k)
+    out = []
+    for name, cu, total, most, side in (
+            ("cu_seqlens_q", cu_seqlens_q, total_q, max_q, "q"),
+            ("cu_seqlens_k", cu_seqlens_k, total_k, max_k, "k")):
+        if most < 0:
+            raise ValueError(f"max_seqlen_{side} must be >= 0, got {most}")
+        cu = as_array(name, cu)
+        if (cu.dtype == jnp.bool_ or not jnp.issubdtype(cu.dtype, jnp.integer)
+                or cu.ndim != 1 or cu.shape[0] < 1):
+            raise TypeError(f"{name} must be a 1-D integer array (int32) of shape (n + 1,) "
+                            f"(the offsets of n sequences, from 0), got dtype {cu.dtype} with "
+                            f"shape {cu.shape}")
+        values = _concrete(cu)
+        if values is not None:
+            lengths = np.diff(values.astype(np.int64))
+            if values[0] != 0 or (lengths < 0).any() or values[-1] > total:
+                raise ValueError(f"{name} must be non-decreasing offsets from 0 to at most "
+                                 f"{total} (the tokens of {side}), got {values.tolist()}")
+            if lengths.size and lengths.max() > most:
+                raise ValueError(f"{name} holds a sequence of length {int(lengths.max())}, "
+                                 f"longer than max_seqlen_{side}={most}")
+        out.append(cu.astype(jnp.int32))
+    if out[0].shape != out[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (n + 1 for n "
+                         f"sequences), got shapes {out[0].shape} and {out[1].shape}")
+    return tuple(out)

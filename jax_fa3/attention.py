@@ -1,5 +1,6 @@
-"""Public attention API: `flash_attention`, and `attention`, the differentiable op under it and
-under `jax_fa3.dot_product_attention` (jax_fa3/compat.py).
+"""Public attention API: `flash_attention`, `flash_attention_varlen` (packed tokens cut by
+cu_seqlens), and `attention`, the differentiable op under them and under
+`jax_fa3.dot_product_attention` (jax_fa3/compat.py).
 
 `flash_attention` validates its arguments once and builds the call's `Options`
 (jax_fa3/_core.py), which settles the implementation at trace time from static facts (dtype,
@@ -7,7 +8,8 @@ head dim, whether the extension is built and the device is Hopper): `implementat
 takes the kernel when it can run the call and the portable path otherwise; "cuda" demands
 the kernel (else an error giving the reason); "xla" forces the portable path.
 
-Gradients come from one `jax.custom_vjp` whose residuals are (q, k, v, sinks, out, lse). Both rules
+Gradients come from one `jax.custom_vjp` whose residuals are (q, k, v, sinks, out, lse)
+(and the non-differentiable key lengths and segments). Both rules
 call the core (jax_fa3/_core.py) directly on one device, and through jax_fa3/sharding.py
 (one local call per device, a ring over a sharded sequence) when the inputs may be
 partitioned. The backward runs on the kernel when the forward did and a backward kernel is
@@ -18,31 +20,47 @@ portable backward, which then runs.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
 from jax_fa3 import _core, _validate, sharding
+from jax_fa3.segments import Segments, varlen_segments
 from jax_fa3._core import Options, kernel_available, resolve_implementation, unavailable_reason
 from jax_fa3._vma import sum_like
 
-__all__ = ["flash_attention", "attention", "unavailable_reason", "kernel_available",
-           "resolve_implementation"]
+__all__ = ["flash_attention", "flash_attention_varlen", "attention", "unavailable_reason",
+           "kernel_available", "resolve_implementation", "Segments"]
 
 
 # ----------------------------------------------------------------------------- custom_vjp
 
-def _partitioned(q, k, kv_lengths) -> bool:
+# Until jax_fa3/sharding.py takes `segments`, calls with segments stay local (correct on any
+# input, but not partitioned): remove this check once it does.
+_SHARDING_TAKES_SEGMENTS = "segments" in inspect.signature(
+    sharding.partitioned_attention_fwd).parameters
+
+
+def _partitioned(q, k, kv_lengths, segments) -> bool:
     """Through the sharding layer only when the inputs may be sharded and there is work to
     split (per-batch key lengths and empty calls stay local)."""
+    if segments is not None and not _SHARDING_TAKES_SEGMENTS:
+        return False
     return kv_lengths is None and not _core.is_empty(q, k) and sharding.may_partition()
 
 
-def _forward(q, k, v, sinks, kv_lengths, opts: Options):
-    if _partitioned(q, k, kv_lengths):
-        return sharding.partitioned_attention_fwd(q, k, v, opts, sinks=sinks)
-    return _core.attention_fwd(q, k, v, opts, sinks=sinks, kv_lengths=kv_lengths)
+def _with_segments(segments) -> dict:
+    return {} if segments is None else dict(segments=segments)
+
+
+def _forward(q, k, v, sinks, kv_lengths, segments, opts: Options):
+    if _partitioned(q, k, kv_lengths, segments):
+        return sharding.partitioned_attention_fwd(q, k, v, opts, sinks=sinks,
+                                                  **_with_segments(segments))
+    return _core.attention_fwd(q, k, v, opts, sinks=sinks, kv_lengths=kv_lengths,
+                               segments=segments)
 
 
 def _unwrap(x):
@@ -50,49 +68,54 @@ def _unwrap(x):
     return getattr(x, "value", x)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention(q, k, v, sinks, kv_lengths, opts: Options):
-    return _forward(q, k, v, sinks, kv_lengths, opts)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, sinks, kv_lengths, segments, opts: Options):
+    return _forward(q, k, v, sinks, kv_lengths, segments, opts)
 
 
-def _attention_fwd_rule(q, k, v, sinks, kv_lengths, opts):
+def _attention_fwd_rule(q, k, v, sinks, kv_lengths, segments, opts):
     q, k, v, sinks, kv_lengths = map(_unwrap, (q, k, v, sinks, kv_lengths))
-    out, lse = _forward(q, k, v, sinks, kv_lengths, opts)
-    return (out, lse), (q, k, v, sinks, kv_lengths, out, lse)
+    segments = jax.tree.map(_unwrap, segments)
+    out, lse = _forward(q, k, v, sinks, kv_lengths, segments, opts)
+    return (out, lse), (q, k, v, sinks, kv_lengths, segments, out, lse)
 
 
 def _attention_bwd_rule(opts, residuals, cotangents):
-    q, k, v, sinks, kv_lengths, out, lse = residuals
+    q, k, v, sinks, kv_lengths, segments, out, lse = residuals
     dout, dlse = cotangents
     if isinstance(dout, SymbolicZero):  # only lse is differentiated
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    if _partitioned(q, k, kv_lengths):
+    if _partitioned(q, k, kv_lengths, segments):
         dq, dk, dv, dsinks = sharding.partitioned_attention_bwd(
-            q, k, v, out, lse, dout, opts, dlse=dlse, sinks=sinks)
+            q, k, v, out, lse, dout, opts, dlse=dlse, sinks=sinks, **_with_segments(segments))
     else:
         dq, dk, dv, dsinks = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse,
-                                                 sinks=sinks, kv_lengths=kv_lengths)
+                                                 sinks=sinks, kv_lengths=kv_lengths,
+                                                 segments=segments)
     if dsinks is not None:  # inside a shard_map: shared sinks get every device's rows' share
         dsinks = sum_like(dsinks, sinks)
-    return dq, dk, dv, dsinks, None
+    # integer key lengths and segments have no gradient
+    return dq, dk, dv, dsinks, None, None
 
 
 _attention.defvjp(_attention_fwd_rule, _attention_bwd_rule, symbolic_zeros=True)
 
 
-def attention(q, k, v, opts: Options, kv_lengths=None, sinks=None):
+def attention(q, k, v, opts: Options, kv_lengths=None, sinks=None, segments=None):
     """(out, lse), differentiable in q, k, v and sinks (through out and lse), for validated
     arrays and options. `kv_lengths` (b,) int32 limits the keys of each batch row (portable
-    path only: build `opts` with implementation "xla"); `sinks` None or (hq,) float32."""
-    return _attention(q, k, v, sinks, kv_lengths, opts)
+    path only: build `opts` with implementation "xla"); `sinks` None or (hq,) float32;
+    `segments` None or a validated `Segments` (packed documents)."""
+    return _attention(q, k, v, sinks, kv_lengths, segments, opts)
 
 
 # ----------------------------------------------------------------------------- public API
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
-                    implementation=None):
+                    implementation=None, q_segment_ids=None, kv_segment_ids=None,
+                    q_positions=None, kv_positions=None):
     """FlashAttention: softmax(q kᵀ * softmax_scale) v, differentiable, jit/vmap-able.
 
     Args:
@@ -117,6 +140,24 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
       implementation: None (kernel if it can run, else portable), "cuda" (kernel, else a
         RuntimeError when this machine or build cannot run it, a ValueError when the input
         is what it cannot take), "xla" (portable).
+      q_segment_ids, kv_segment_ids: packed documents (MaxText / splash-attention
+        convention): (batch, seqlen_q) and (batch, seqlen_k) integer arrays (used as int32).
+        Query i sees key j only when their ids are equal AND the band (causal/window) allows
+        it. Id 0 is PADDING: a padding query row sees nothing (out 0, lse -inf or its sink,
+        zero gradients), a padding key is seen by nobody. Only q_segment_ids: the keys have
+        the same ids (needs seqlen_q == seqlen_k); only kv_segment_ids is an error. The
+        portable path takes any ids. The kernels need each batch row to keep a contract:
+        every nonzero id occupies ONE contiguous run and the nonzero ids increase along the
+        row (1,1,2,2,0,0,3 is fine; 2,2,1 or 1,0,1 is not), and with positions these step by
+        exactly 1 inside a run; a batch row that breaks it comes back NaN (out and lse) from
+        the kernels, never silently wrong. Not differentiable.
+      q_positions, kv_positions: optional (batch, seqlen) integer positions of each token in
+        its document (only with segment ids), so that causal/window follow the documents:
+        query i sees key j iff -left <= kv_positions[j] - q_positions[i] <= right (causal:
+        kv_positions[j] <= q_positions[i]), with no seqlen_k - seqlen_q shift. Without them
+        the band is the row-index one above. One side's positions alone stand for the
+        other's when the sides share their ids (kv_segment_ids None or the same array).
+        Positions saturate to +-(2**29 - 1).
 
     Returns:
       out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, or (out, lse). A query row
@@ -141,10 +182,62 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     """
     q, k, v = _validate.check_qkv(q, k, v)
     sinks = _validate.check_sinks(sinks, q.shape[2])
+    segments = _validate.check_segments(q_segment_ids, kv_segment_ids, q_positions,
+                                        kv_positions, q.shape, k.shape)
     opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap,
                                deterministic=deterministic, implementation=implementation,
                                head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
-    out, lse = attention(q, k, v, opts, sinks=sinks)
+    segments = None if segments is None else Segments(*segments)
+    out, lse = attention(q, k, v, opts, sinks=sinks, segments=segments)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           sinks=None, return_lse=False, deterministic=False,
+                           implementation=None):
+    """FlashAttention over variable-length sequences packed without padding (FlashAttention's
+    varlen, the THD layout): sequence r is queries [cu_seqlens_q[r], cu_seqlens_q[r + 1]) and
+    keys [cu_seqlens_k[r], cu_seqlens_k[r + 1]); no token sees another sequence's.
+
+    Args:
+      q: (total_q, heads_q, head_dim); k: (total_k, heads_kv, head_dim); v: (total_k,
+        heads_kv, head_dim_v); dtypes and head dims as in `flash_attention`.
+      cu_seqlens_q, cu_seqlens_k: (n + 1,) integer offsets (used as int32), non-decreasing
+        from 0, one per sequence boundary (both of the same length n + 1). Tokens past the
+        last offset are padding: their out is 0 (lse -inf, or the sink) and they get zero
+        gradients. Traced offsets are not checked (the result is undefined for offsets that
+        break these rules); concrete ones are, at trace time.
+      max_seqlen_q, max_seqlen_k: static ints, upper bounds of the sequences' lengths, used
+        for validation only (checked against concrete offsets; the kernels do not need them).
+      causal, window_size: per sequence, bottom-right aligned as in `flash_attention`: within
+        sequence r, query t sees key u iff -left <= (u - cu_k[r]) - (t - cu_q[r]) -
+        (len_k[r] - len_q[r]) <= right.
+      softmax_scale, softcap, sinks, deterministic, implementation: as in `flash_attention`.
+      return_lse: also return the lse (heads_q, total_q) float32.
+
+    Returns:
+      out (total_q, heads_q, head_dim_v) in q's dtype, or (out, lse).
+
+    It runs as one packed batch row with segment ids r + 1 and per-sequence positions
+    (`jax_fa3.segments.varlen_segments`), on the kernel when it can run the call.
+    """
+    for name, x, seq in (("q", q, "total_q"), ("k", k, "total_k"), ("v", v, "total_k")):
+        x = _validate.as_array(name, x)
+        if x.ndim != 3:
+            raise ValueError(f"{name} must have rank 3 ({seq}, heads, head_dim) in "
+                             f"flash_attention_varlen, got shape {x.shape}")
+    q, k, v = _validate.check_qkv(*(_validate.as_array(n, x)[None] for n, x in
+                                    (("q", q), ("k", k), ("v", v))))
+    cu_q, cu_k = _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                            max_seqlen_k, q.shape[1], k.shape[1])
+    segments = varlen_segments(cu_q, cu_k, q.shape[1], k.shape[1])
+    out, lse = flash_attention(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, sinks=sinks, return_lse=True, deterministic=deterministic,
+        implementation=implementation, q_segment_ids=segments.q_ids,
+        kv_segment_ids=segments.kv_ids, q_positions=segments.q_pos,
+        kv_positions=segments.kv_pos)
+    return (out[0], lse[0]) if _validate.check_bool("return_lse", return_lse) else out[0]

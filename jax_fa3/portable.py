@@ -22,6 +22,11 @@ sinks[h] and value 0; lse includes it, and a row that sees no key gets out 0 and
 sinks[h]. The backward needs no sinks: P = exp(S - lse) with the sink-including lse is exact.
 Their own gradient is `sinks_grad`. A sink of -inf takes no weight (the same as none).
 
+Packed documents (`segments`, a jax_fa3.segments.Segments): query i sees key j only when their
+segment ids are equal and not 0 (padding), for ANY ids (no contract here); with positions the
+band follows them (-left <= kv_pos[j] - q_pos[i] <= right) instead of the row index. Padding
+rows see nothing: out 0, lse -inf (or the sink), zero gradients.
+
 GQA/MQA: q is viewed as (b, sq, heads_kv, group, d); K/V are never repeated.
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jax_fa3 import segments as _segments
 from jax_fa3._masks import UNBOUNDED, band_mask
 from jax_fa3._vma import varying_like
 
@@ -61,25 +67,34 @@ def _scores(qg, kb, scale, softcap, dtype):
     return s, None
 
 
-def _visible(qpos, kpos, seqlen_q, seqlen_k, left, right, kv_lengths):
+def _visible(qpos, kpos, seqlen_q, seqlen_k, left, right, kv_lengths, segments=None):
     """Boolean mask broadcastable to (b, hkv, g, sq, bk): inside the band, a real key (not
-    padding), and below the batch's kv length. Bounds that cannot bind are left out."""
+    padding), below the batch's kv length, and in the query's document (`segments`, its kv
+    arrays this block's). With positions the documents' band replaces the row-index band.
+    Bounds that cannot bind are left out."""
     rel = kpos[None, :] - qpos[:, None] - (seqlen_k - seqlen_q)  # (sq, bk)
     ok = kpos[None, :] < seqlen_k
-    if left < seqlen_k:  # rel >= -(seqlen_k - 1) always, so larger left never binds
+    positional = segments is not None and segments.has_positions
+    if left < seqlen_k and not positional:  # rel >= -(seqlen_k - 1), so larger left never binds
         ok = ok & (rel >= -left)
-    if right < seqlen_q:  # rel <= seqlen_q - 1 always
+    if right < seqlen_q and not positional:  # rel <= seqlen_q - 1 always
         ok = ok & (rel <= right)
     ok = ok[None, None, None]
     if kv_lengths is not None:
         ok = ok & (kpos < kv_lengths[:, None])[:, None, None, None, :]
+    if segments is not None:
+        ok = ok & _segments.visibility(segments, left, right)[:, None, None]
     return ok
 
 
-def key_range(seqlen_q: int, seqlen_k: int, left: int, right: int) -> tuple[int, int]:
-    """[start, stop) of the keys any query row can see under the band; empty when none."""
+def key_range(seqlen_q: int, seqlen_k: int, left: int, right: int,
+              positional: bool = False) -> tuple[int, int]:
+    """[start, stop) of the keys any query row can see under the band; empty when none. A
+    band over positions (`positional`) is either empty or may reach every key."""
     if left + right < 0:
         return 0, 0
+    if positional:
+        return (0, seqlen_k) if seqlen_k else (0, 0)
     offset = seqlen_k - seqlen_q
     start = max(0, offset - left)
     stop = min(seqlen_k, seqlen_q + offset + right)
@@ -93,6 +108,30 @@ def _blocks(x, start, stop, block_k):
     pad = n * block_k - (stop - start)
     x = jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     return jnp.moveaxis(x.reshape(x.shape[0], n, block_k, *x.shape[2:]), 1, 0)
+
+
+def _segment_blocks(segments, start, stop, block_k):
+    """The kv arrays of `segments` as (n_blocks, b, block_k) blocks like `_blocks` (padding
+    id 0 past the end), or None without segments."""
+    if segments is None:
+        return None
+
+    def blocks(x):
+        x = x[:, start:stop]
+        n = -(-(stop - start) // block_k)
+        x = jnp.pad(x, ((0, 0), (0, n * block_k - (stop - start))))
+        return jnp.moveaxis(x.reshape(x.shape[0], n, block_k), 1, 0)
+
+    kv_pos = None if segments.kv_pos is None else blocks(segments.kv_pos)
+    return blocks(segments.kv_ids), kv_pos
+
+
+def _block_segments(segments, kv_block):
+    """`segments` with this block's kv ids and positions."""
+    if segments is None:
+        return None
+    kv_ids, kv_pos = kv_block
+    return segments._replace(kv_ids=kv_ids, kv_pos=kv_pos)
 
 
 def _block_size(start, stop, block_k):
@@ -155,13 +194,14 @@ def _finish(m, l, o, out_shape, dtype, lse_dtype):
 
 
 def forward(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
-            left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None,
+            left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None, segments=None,
             block_k: int = DEFAULT_BLOCK_K):
     """Blockwise attention forward.
 
     q (b, sq, hq, d); k (b, sk, hkv, d); v (b, sk, hkv, dv), hq % hkv == 0; sinks None or
     (hq,) float32. Returns out (b, sq, hq, dv) in q.dtype and lse (b, hq, sq) float32
-    (natural log; -inf for rows that see no key, or sinks[h] with sinks)."""
+    (natural log; -inf for rows that see no key, or sinks[h] with sinks). `segments`: None or
+    a jax_fa3.segments.Segments (module docstring)."""
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     g = hq // hkv
@@ -171,7 +211,8 @@ def forward(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
     refs = (q, k, v) + (() if sinks is None else (sinks,))
     m, l = _initial_state(sinks, b, hkv, g, sq, acc)
     o = jnp.zeros((b, hkv, g, sq, dv), acc)
-    start, stop = key_range(sq, sk, left, right)
+    positional = segments is not None and segments.has_positions
+    start, stop = key_range(sq, sk, left, right, positional)
     if stop == start or 0 in (b, sq, hq, d, dv):
         return _finish(m, l, o, out_shape, dtype, lse_dtype)
     bk = _block_size(start, stop, block_k)
@@ -180,9 +221,10 @@ def forward(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
 
     def step(carry, xs):
         m, l, o = carry
-        kb, vb, kstart = xs
+        kb, vb, kstart, seg = xs
         s, _ = _scores(qg, kb, softmax_scale, softcap, dtype)
-        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths)
+        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths,
+                      _block_segments(segments, seg))
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing seen yet
@@ -195,15 +237,15 @@ def forward(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
     init = tuple(varying_like(x, *refs) for x in (m, l, o))  # inside shard_map with check_vma
     kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
     (m, l, o), _ = lax.scan(step, init, (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk),
-                                         kstarts))
+                                         kstarts, _segment_blocks(segments, start, stop, bk)))
     return _finish(m, l, o, out_shape, dtype, lse_dtype)
 
 
 # ----------------------------------------------------------------------------- backward
 
 def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 0.0,
-             left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None, dlse=None,
-             return_dpsum: bool = False, block_k: int = DEFAULT_BLOCK_K):
+             left: int = UNBOUNDED, right: int = UNBOUNDED, kv_lengths=None, segments=None,
+             dlse=None, return_dpsum: bool = False, block_k: int = DEFAULT_BLOCK_K):
     """Blockwise attention backward (FlashAttention-2 style, recomputing P per key block).
 
     out/lse are the forward's (or a merged attention's final) results, sinks included: the
@@ -217,7 +259,8 @@ def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 
     dtype, acc = q.dtype, _acc_dtype(q.dtype)
     dpsum = row_dot(dout, out)
     done = (lambda *grads: (*grads, dpsum)) if return_dpsum else (lambda *grads: grads)
-    start, stop = key_range(sq, sk, left, right)
+    positional = segments is not None and segments.has_positions
+    start, stop = key_range(sq, sk, left, right, positional)
     if stop == start or 0 in (b, sq, hq, d, dv):
         return done(jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v))
     bk = _block_size(start, stop, block_k)
@@ -231,9 +274,10 @@ def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 
     qpos = jnp.arange(sq)
 
     def step(dq, xs):
-        kb, vb, kstart = xs
+        kb, vb, kstart, seg = xs
         s, t = _scores(qg, kb, softmax_scale, softcap, dtype)
-        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths)
+        ok = _visible(qpos, kstart + jnp.arange(bk), sq, sk, left, right, kv_lengths,
+                      _block_segments(segments, seg))
         p = jnp.where(ok, jnp.exp(s - lse[..., None]), 0.0)
         dv = _mm("bhgqk,bqhgd->bkhd", p, dog, dtype)
         dp = _mm("bqhgd,bkhd->bhgqk", dog, vb, dtype)
@@ -248,7 +292,8 @@ def backward(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float = 
     kstarts = start + bk * jnp.arange(-(-(stop - start) // bk))
     dq0 = varying_like(jnp.zeros(qg.shape, acc), q, k, v, out, lse, dout)
     dq, (dk, dv) = lax.scan(step, dq0,
-                            (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk), kstarts))
+                            (_blocks(k, start, stop, bk), _blocks(v, start, stop, bk), kstarts,
+                             _segment_blocks(segments, start, stop, bk)))
 
     def unblock(x, like):  # (n, b, bk, hkv, e) -> (b, sk, hkv, e), zeros outside [start, stop)
         x = jnp.moveaxis(x, 0, 1).reshape(b, -1, hkv, like.shape[3])[:, : stop - start]
@@ -267,9 +312,10 @@ def _grouped(x, b, hkv, g):
 
 
 def dense(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
-          left: int = UNBOUNDED, right: int = UNBOUNDED, bias=None, mask=None, kv_lengths=None):
+          left: int = UNBOUNDED, right: int = UNBOUNDED, bias=None, mask=None, kv_lengths=None,
+          segments=None):
     """Dense attention with an additive `bias` and a boolean `mask` (each 4-D, broadcastable
-    to (b, hq, sq, sk)), on top of the band and kv_lengths, and optional `sinks`.
+    to (b, hq, sq, sk)), on top of the band, kv_lengths and `segments`, and optional `sinks`.
     Differentiable by JAX autodiff (including the bias and the sinks). Returns (out, lse) like
     `forward`. The bias is added after the softcap; masked entries are excluded, not just
     pushed to a large negative number."""
@@ -281,7 +327,10 @@ def dense(q, k, v, sinks=None, *, softmax_scale: float, softcap: float = 0.0,
     s, _ = _scores(qg, k, softmax_scale, softcap, dtype)
     if bias is not None:
         s = s + _grouped(bias, b, hkv, g).astype(acc)
-    ok = jnp.asarray(band_mask(sq, sk, left, right))[None, None, None]
+    if segments is None:
+        ok = jnp.asarray(band_mask(sq, sk, left, right))[None, None, None]
+    else:
+        ok = _segments.dense_mask(segments, left, right)[:, None, None]
     if mask is not None:
         ok = ok & _grouped(mask, b, hkv, g)
     if kv_lengths is not None:

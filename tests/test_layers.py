@@ -14,6 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_fa3"
 # docs/architecture.md, lowest first: a module may import only modules of lower layers.
 LAYERS = [
     ("jax_fa3._masks", "jax_fa3._validate", "jax_fa3._vma", "jax_fa3._ffi"),
+    ("jax_fa3.segments",),
     ("jax_fa3._ops", "jax_fa3.portable"),
     ("jax_fa3._core",),
     ("jax_fa3.ring",),
