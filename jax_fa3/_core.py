@@ -121,10 +121,12 @@ def resolve_implementation(implementation, q, direction: str = "fwd", unsupporte
     return "cuda"
 
 
-def _backward_on_kernel(q, v, opts: Options, dlse) -> bool:
+def _backward_on_kernel(q, v, opts: Options, dlse, segments=None) -> bool:
     """The kernel backward runs when the forward ran on the kernel, a backward kernel is built
-    for the call, and there is no LSE cotangent (only the portable backward takes one)."""
+    for the call, and there is no LSE cotangent (only the portable backward takes one); with
+    segments, not deterministic (the deterministic kernel backward takes no document bands)."""
     return (opts.implementation == "cuda" and dlse is None
+            and not (segments is not None and opts.deterministic)
             and unavailable_reason("bwd", q.dtype, q.shape[-1], v.shape[-1]) is None)
 
 
@@ -182,9 +184,11 @@ def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
     else of them, and dsinks comes from lse and D (`portable.sinks_grad`). `dlse` is an
     optional LSE cotangent (b, hq, sq), taken by the portable backward; `deterministic`
     orders the kernel's dQ accumulation (the portable backward always is deterministic).
-    `segments` as for `attention_fwd` (padding rows and keys get zero gradients)."""
+    `segments` as for `attention_fwd` (padding rows and keys get zero gradients); with
+    `deterministic` they take the portable backward (the deterministic kernel backward takes
+    no document bands)."""
     with_d = sinks is not None
-    if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, v, opts, dlse):
+    if _on_kernel(q, k, kv_lengths) and _backward_on_kernel(q, v, opts, dlse, segments):
         bands, left, right = _kernel_bands(segments, opts, q, k)
         grads = _ops.bwd(q, k, v, out, lse, dout, bands, softmax_scale=opts.softmax_scale,
                          softcap=opts.softcap, window_left=left, window_right=right,

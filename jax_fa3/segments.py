@@ -38,7 +38,8 @@ from jax_fa3._masks import UNBOUNDED
 PADDING = 0  # the segment id of padding tokens
 POS_LIMIT = (1 << 29) - 1  # positions saturate to [-POS_LIMIT, POS_LIMIT]
 GROUP = 16  # rows per group summary (q_groups, k_groups)
-INVALID_HI = -1  # q_rows[..., 1] of a row whose batch row breaks the kernel contract
+NONE_LO = UNBOUNDED  # lo of an empty interval (NONE_LO, 0): it never widens a group's range
+INVALID_HI = -1  # hi of an invalid row (NONE_LO, -1): its batch row breaks the kernel contract
 
 _INT_MIN = -(1 << 31)
 
@@ -126,7 +127,7 @@ def _intervals(mine, mine_pos, other: _Side, other_pos, below: int, above: int,
                positions: bool):
     """For each token of one side ((b, n) ids `mine`), the [lo, hi) of the other side's
     tokens it may see: the run of its own id there, cut by the positional band
-    `-below <= other_pos - mine_pos <= above` when there are positions. Empty: (m, 0)."""
+    `-below <= other_pos - mine_pos <= above` when there are positions. Empty: (NONE_LO, 0)."""
     m = other.ids.shape[1]
     search = jax.vmap(lambda keys, x: jnp.searchsorted(keys, x, side="left",
                                                        method="scan_unrolled"))
@@ -145,7 +146,7 @@ def _intervals(mine, mine_pos, other: _Side, other_pos, below: int, above: int,
             stop = lo + jnp.clip(off + above + 1, 0, size)
         lo, hi = start, stop
     empty = ~found | (lo >= hi)
-    return jnp.stack([jnp.where(empty, m, lo), jnp.where(empty, 0, hi)], axis=-1)
+    return jnp.stack([jnp.where(empty, NONE_LO, lo), jnp.where(empty, 0, hi)], axis=-1)
 
 
 def _groups(rows):
@@ -164,14 +165,15 @@ def kernel_bands(segments: Segments, left: int, right: int, seqlen_q: int, seqle
     Returns ((q_rows, q_groups, k_rows, k_groups), kernel_left, kernel_right), all int32:
 
     * q_rows (b, sq, 2): [lo, hi), the keys query row i may see by the documents rule (with
-      positions, the positional band folded in). A row that sees no key has (sk, 0), so it
-      never widens a group's [min lo, max hi). A row whose batch row breaks the contract has
-      (0, -1): hi = -1 marks it INVALID (the kernels write NaN out and lse).
+      positions, the positional band folded in). A row that sees no key has (2**30, 0)
+      (NONE_LO = UNBOUNDED), so it never widens a group's [min lo, max hi). A row whose
+      batch row breaks the contract has (2**30, -1): hi = -1 marks it INVALID (the kernels
+      write NaN out and lse).
     * q_groups (b, ceil(sq / 16), 4): per 16 query rows (min lo, max lo, min hi, max hi);
       the rows past sq replicate the last row. min hi == -1 iff the group holds an invalid row.
     * k_rows (b, sk, 2): [lo, hi), the query rows that see key j (the same relation
-      transposed: lo_i <= j < hi_i  <=>  klo_j <= i < khi_j); a key seen by none: (sq, 0),
-      every key of an invalid batch row included.
+      transposed: lo_i <= j < hi_i  <=>  klo_j <= i < khi_j); a key seen by none: (2**30,
+      0), every key of an invalid batch row included.
     * k_groups (b, ceil(sk / 16), 4): the same summaries of k_rows.
 
     The kernels apply the row-index band (kernel_left, kernel_right) on top: it is (left,
@@ -190,8 +192,8 @@ def kernel_bands(segments: Segments, left: int, right: int, seqlen_q: int, seqle
     # a key j sees query i iff -left <= kv_pos[j] - q_pos[i] <= right, i.e. with the roles
     # swapped, -right <= q_pos[i] - kv_pos[j] <= left
     k_rows = _intervals(kv_ids, segments.kv_pos, q_side, segments.q_pos, right, left, positions)
-    invalid_q = jnp.array([0, INVALID_HI], jnp.int32)
-    no_query = jnp.array([seqlen_q, 0], jnp.int32)
+    invalid_q = jnp.array([NONE_LO, INVALID_HI], jnp.int32)
+    no_query = jnp.array([NONE_LO, 0], jnp.int32)
     q_rows = jnp.where(valid[..., None], q_rows, invalid_q)
     k_rows = jnp.where(valid[..., None], k_rows, no_query)
     bands = (q_rows, _groups(q_rows), k_rows, _groups(k_rows))

@@ -12,6 +12,12 @@ sees key j iff  -left <= j - i - (seqlen_k - seqlen_q) <= right.  Every helper t
 public options (`causal`, `window_size`) or the normalised `left`/`right` directly (ring tests
 use shifted bands with negative bounds).
 
+Packed documents: every helper also takes `segments=(q_ids, kv_ids, q_pos, kv_pos)` (numpy or
+jax (batch, seqlen) ints; kv_ids None = q_ids; positions None or both): query i sees key j
+only when the ids are equal and not 0 (padding) and the band allows it, the band over the
+row index without positions, over the positions with them (-left <= kv_pos[j] - q_pos[i] <=
+right). `segment_mask` is that rule, written here on its own (not jax_fa3/segments.py's).
+
 GPU kernel tests import this module; keep its signatures stable.
 """
 
@@ -132,6 +138,25 @@ def band_mask(seqlen_q, seqlen_k, left, right):
     return (rel >= -left) & (rel <= right)
 
 
+def segment_mask(segments, seqlen_q, seqlen_k, left, right):
+    """Boolean (batch, 1, seqlen_q, seqlen_k) of `segments` = (q_ids, kv_ids, q_pos, kv_pos)
+    with the band (left, right) (module docstring): equal nonzero ids and the band, over the
+    row index without positions and over the positions with them."""
+    q_ids, kv_ids, q_pos, kv_pos = (tuple(segments) + (None,) * 4)[:4]
+    q_ids = np.asarray(q_ids, np.int64)
+    kv_ids = q_ids if kv_ids is None else np.asarray(kv_ids, np.int64)
+    if (q_pos is None) != (kv_pos is None):
+        q_pos = kv_pos if q_pos is None else q_pos
+        kv_pos = q_pos if kv_pos is None else kv_pos
+    same = (q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] != 0)
+    if q_pos is None:
+        band = band_mask(seqlen_q, seqlen_k, left, right)[None]
+    else:
+        rel = np.asarray(kv_pos, np.int64)[:, None, :] - np.asarray(q_pos, np.int64)[:, :, None]
+        band = (rel >= -left) & (rel <= right)
+    return (same & band)[:, None]
+
+
 def _f64(x):
     """Any array (jax, numpy, bf16 via ml_dtypes) as numpy float64, without going through
     jnp (which would drop float64 to float32 when x64 is off)."""
@@ -171,7 +196,7 @@ def _sum_groups(x, heads_kv):
 
 
 def _scores(xp, q, k, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            left=None, right=None, bias=None, mask=None):
+            left=None, right=None, bias=None, mask=None, segments=None):
     """Scores (..., hq, sq, sk) in the compute dtype, the allowed mask, tanh(raw/softcap) or
     None, and the scale."""
     q = _compute(xp, q)
@@ -186,7 +211,10 @@ def _scores(xp, q, k, *, softmax_scale=None, causal=False, window_size=(-1, -1),
     if bias is not None:
         s = s + _compute(xp, bias)
     lo, hi = resolve_band(causal=causal, window_size=window_size, left=left, right=right)
-    allowed = xp.asarray(band_mask(sq, sk, lo, hi))
+    if segments is None:
+        allowed = xp.asarray(band_mask(sq, sk, lo, hi))
+    else:  # (b, 1, sq, sk): heads broadcast
+        allowed = xp.asarray(segment_mask(segments, sq, sk, lo, hi))
     if mask is not None:
         allowed = allowed & xp.asarray(mask, bool)
     return s, xp.broadcast_to(allowed, s.shape), t, scale
@@ -233,8 +261,9 @@ def reference_f64(q, k, v, **opts):
 
     opts: softmax_scale, causal, window_size, softcap, left, right (override the band),
     bias and mask (broadcastable to (..., hq, sq, sk), added/applied after softcap), sinks
-    ((hq,) logits, in the units of the scaled, capped scores). Fully masked rows give out 0
-    and lse -inf (the sink with sinks)."""
+    ((hq,) logits, in the units of the scaled, capped scores), segments ((q_ids, kv_ids,
+    q_pos, kv_pos): packed documents, module docstring). Fully masked rows give out 0 and
+    lse -inf (the sink with sinks)."""
     return _reference(np, q, k, v, **opts)
 
 
@@ -289,10 +318,11 @@ def reference_grads_f64(q, k, v, dout, dlse=None, sinks=None, **opts):
 
 # ----------------------------------------------------------------------------- baseline
 
-def _plain(q, k, v, sinks=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-           softcap=0.0, left=None, right=None):
+def _plain(q, k, v, sinks=None, allowed=None, *, softmax_scale=None, causal=False,
+           window_size=(-1, -1), softcap=0.0, left=None, right=None):
     """Dense attention done naively in the input dtype (scores, softmax and products all
-    rounded to q.dtype; the sinks too): the baseline whose error sets the tolerance."""
+    rounded to q.dtype; the sinks too): the baseline whose error sets the tolerance.
+    `allowed`: None (the band), or the whole boolean mask (b, 1, sq, sk) (segments)."""
     dtype = q.dtype
     b, sq, hq, d = q.shape
     sk = k.shape[1]
@@ -303,7 +333,8 @@ def _plain(q, k, v, sinks=None, *, softmax_scale=None, causal=False, window_size
     if softcap:
         s = jnp.asarray(softcap, dtype) * jnp.tanh(s / jnp.asarray(softcap, dtype))
     lo, hi = resolve_band(causal=causal, window_size=window_size, left=left, right=right)
-    allowed = jnp.asarray(band_mask(sq, sk, lo, hi))
+    if allowed is None:
+        allowed = jnp.asarray(band_mask(sq, sk, lo, hi))
     s = jnp.where(allowed, s, -jnp.inf)
     m = s.max(axis=-1, keepdims=True)
     if sinks is not None:
@@ -327,22 +358,35 @@ def _static(opts):
     """Options as a hashable tuple (for jit's static arguments)."""
     unknown = set(opts) - set(_OPTS)
     if unknown:
-        raise TypeError(f"unknown options {sorted(unknown)}; expected some of {_OPTS}")
+        raise TypeError(f"unknown options {sorted(unknown)}; expected some of {_OPTS} "
+                        f"(and segments)")
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
 
 
-@functools.partial(jax.jit, static_argnums=4)
-def _plain_jit(q, k, v, sinks, opts):
-    return _plain(q, k, v, sinks, **dict(opts))
+def _plain_args(q, k, opts):
+    """(allowed, static options) of the baseline: segments become its whole mask."""
+    opts = dict(opts)
+    segments = opts.pop("segments", None)
+    if segments is None:
+        return None, _static(opts)
+    lo, hi = resolve_band(causal=opts.get("causal", False),
+                          window_size=opts.get("window_size", (-1, -1)),
+                          left=opts.get("left"), right=opts.get("right"))
+    return jnp.asarray(segment_mask(segments, q.shape[1], k.shape[1], lo, hi)), _static(opts)
 
 
-@functools.partial(jax.jit, static_argnums=6)
-def _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse, opts):
+@functools.partial(jax.jit, static_argnums=5)
+def _plain_jit(q, k, v, sinks, allowed, opts):
+    return _plain(q, k, v, sinks, allowed, **dict(opts))
+
+
+@functools.partial(jax.jit, static_argnums=7)
+def _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse, allowed, opts):
     """out, lse and the gradients (dq, dk, dv[, dsinks]) of the baseline, in the input
     dtype (the sinks, float32 in, rounded to it: dsinks comes back in it too), for the
     cotangents dout and dlse (None: zero)."""
     args = (q, k, v) + (() if sinks is None else (sinks.astype(q.dtype),))
-    f = lambda q, k, v, *s: _plain(q, k, v, s[0] if s else None, **dict(opts))
+    f = lambda q, k, v, *s: _plain(q, k, v, s[0] if s else None, allowed, **dict(opts))
     (out, lse), vjp = jax.vjp(f, *args)
     dlse = jnp.zeros_like(lse) if dlse is None else dlse.astype(lse.dtype)
     return out, lse, vjp((dout.astype(q.dtype), dlse))
@@ -350,14 +394,14 @@ def _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse, opts):
 
 def plain_in_dtype(q, k, v, return_lse=False, sinks=None, **opts):
     """The baseline output (and its LSE as float32 when `return_lse`)."""
-    out, lse = _plain_jit(q, k, v, sinks, _static(opts))
+    out, lse = _plain_jit(q, k, v, sinks, *_plain_args(q, k, opts))
     return (out, lse) if return_lse else out
 
 
 def plain_grads_in_dtype(q, k, v, dout, sinks=None, **opts):
     """Gradients (dq, dk, dv) of the baseline, by autodiff in the input dtype; with
     `sinks`, (dq, dk, dv, dsinks)."""
-    return _plain_fwd_bwd_jit(q, k, v, sinks, dout, None, _static(opts))[2]
+    return _plain_fwd_bwd_jit(q, k, v, sinks, dout, None, *_plain_args(q, k, opts))[2]
 
 
 # ----------------------------------------------------------------------------- the check
@@ -405,7 +449,7 @@ def check_against_oracle(name, q, k, v, out=None, lse=None, grads=None, dout=Non
     errors = {}
     if grads is not None:  # one compile for the whole baseline
         base_out, base_lse, base_grads = _plain_fwd_bwd_jit(q, k, v, sinks, dout, dlse,
-                                                            _static(opts))
+                                                            *_plain_args(q, k, opts))
     else:
         base_out, base_lse = plain_in_dtype(q, k, v, return_lse=True, sinks=sinks, **opts)
     ref_out, ref_lse = reference_f64(q, k, v, sinks=sinks, **opts)
