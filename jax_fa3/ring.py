@@ -24,6 +24,17 @@ and lse sinks[h], merged like the others. The backward needs them only for their
 gradient, formed once from the final lse and D = rowsum(dout * out); every ring step uses the
 final lse (which includes the sinks) and is exact without them. v may have its own head dim.
 
+Packed sequences (segment ids, optional positions; see jax_fa3/segments.py) travel with their
+tokens: the query's ids and positions stay with the local queries, the keys' ride the ring
+(or are all-gathered) with their K/V block, and zig-zag permutes them with the tokens (permute
+global id arrays with `zigzag_permute` like q, k, v). Each local call gets the ids (and
+positions) of its chunks. Without positions the band is the row-index band of the global
+sequence, so the planner below shifts it per chunk as for plain attention and the document
+rule (equal ids, id 0 is padding) is applied on top. With positions the band follows the
+positions, which are data: every (query piece, key piece) pair is called with the call's own
+band (no static skipping; the kernels skip tiles whose documents or positions do not meet),
+one call per piece so that positions stay consecutive inside each call.
+
 Which block pairs need work is decided statically: for each ring step and each device a small
 planner lists the kernel calls on (query chunk, key chunk) pairs with their shifted mask band
 (see jax_fa3/_masks.py; bounds may be negative), skipping fully masked pairs and calling
@@ -47,6 +58,7 @@ from jax.custom_derivatives import SymbolicZero
 from jax_fa3 import _core, _validate, portable
 from jax_fa3._core import Options
 from jax_fa3._masks import UNBOUNDED
+from jax_fa3.segments import Segments
 from jax_fa3._vma import sum_like, varying_like
 
 __all__ = ["ring_attention", "zigzag_permute", "zigzag_unpermute", "zigzag_positions",
@@ -195,6 +207,16 @@ def allgather_plans(layout: str, n: int, sq_local: int, sk_local: int, left: int
                        n * sq_local, seq_k, left, right) for r in range(n)]
 
 
+def pair_plans(q_segs: Sequence[Segment], k_segs: Sequence[Segment], left: int,
+               right: int) -> tuple[Call, ...]:
+    """One call per (query piece, key piece), every one with the band (left, right) as is:
+    the plan when positions (data, not row indices) decide the band. Pieces are never
+    merged, so that inside a call the positions of a document stay consecutive (a zig-zag
+    device holds two pieces of the sequence far apart)."""
+    return tuple(Call(qs.local, qs.local + qs.length, ks.local, ks.local + ks.length, left, right)
+                 for qs in q_segs for ks in k_segs if qs.length and ks.length)
+
+
 def natural_order(x, n: int, layout: str, axis: int = 1):
     """Gathered K/V (device-major order) -> natural sequence order (a static permutation)."""
     if layout == "contiguous":
@@ -249,14 +271,48 @@ def merge_sinks(o, lse, sinks):
     return merge_partials(o, lse, jnp.zeros((), o.dtype), sink_lse)
 
 
-def _fwd_calls(calls, opts: Options, q, k, v, acc):
-    """Run `calls` on (q, k, v) and merge each into the accumulator (o f32, lse).
+def _slice_segments(segments, q0: int, q1: int, k0: int, k1: int):
+    """The segment ids and positions of queries [q0, q1) and keys [k0, k1) (None stays None;
+    no segments: None)."""
+    if segments is None:
+        return None
+    q_ids, kv_ids, q_pos, kv_pos = segments
+    cut = lambda x, a, b: None if x is None else x[:, a:b]
+    return type(segments)(cut(q_ids, q0, q1), cut(kv_ids, k0, k1), cut(q_pos, q0, q1),
+                          cut(kv_pos, k0, k1))
+
+
+def _kv_side(segments):
+    """(kv_ids, kv_pos): what travels with the K/V blocks (None without segments)."""
+    return None if segments is None else (segments[1], segments[3])
+
+
+def _with_kv_side(segments, kv_side):
+    """segments with the keys' ids and positions replaced by `kv_side`."""
+    if segments is None:
+        return None
+    return type(segments)(segments[0], kv_side[0], segments[2], kv_side[1])
+
+
+def _has_positions(segments) -> bool:
+    """Whether the band follows positions (given with the segment ids) rather than rows."""
+    if segments is None or (segments[2] is None and segments[3] is None):
+        return False
+    if segments[2] is None or segments[3] is None:
+        raise ValueError("ring attention needs both query and key positions, or neither")
+    return True
+
+
+def _fwd_calls(calls, opts: Options, q, k, v, acc, segments=None):
+    """Run `calls` on (q, k, v) (and the segment ids / positions of the same tokens) and merge
+    each into the accumulator (o f32, lse).
 
     Updates are dynamic_update_slice, not `.at[...].set`: see `_add_rows`."""
     o_acc, lse_acc = acc
     for c in calls:
         o, lse = _core.attention_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
-                                     opts.with_band(c.left, c.right))
+                                     opts.with_band(c.left, c.right),
+                                     segments=_slice_segments(segments, c.q0, c.q1, c.k0, c.k1))
         o, lse = merge_partials(o_acc[:, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1],
                                 o.astype(jnp.float32), lse.astype(jnp.float32))
         o_acc = lax.dynamic_update_slice_in_dim(o_acc, o, c.q0, axis=1)
@@ -274,7 +330,7 @@ def _add_rows(acc, x, start):
     return lax.dynamic_update_slice_in_dim(acc, part, start, axis=1)
 
 
-def _bwd_calls(calls, opts: Options, q, k, v, out, lse, dout, dlse, acc):
+def _bwd_calls(calls, opts: Options, q, k, v, out, lse, dout, dlse, acc, segments=None):
     """Add the partial (dq, dk, dv) of `calls` into float32 accumulators. The LSE cotangent
     `dlse` (or None) adds p * dlse to dS, which splits over key blocks like the rest."""
     dq, dk, dv = acc
@@ -282,7 +338,8 @@ def _bwd_calls(calls, opts: Options, q, k, v, out, lse, dout, dlse, acc):
         gq, gk, gv, _ = _core.attention_bwd(
             q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1], out[:, c.q0:c.q1],
             lse[:, :, c.q0:c.q1], dout[:, c.q0:c.q1], opts.with_band(c.left, c.right),
-            dlse=None if dlse is None else dlse[:, :, c.q0:c.q1])
+            dlse=None if dlse is None else dlse[:, :, c.q0:c.q1],
+            segments=_slice_segments(segments, c.q0, c.q1, c.k0, c.k1))
         dq = _add_rows(dq, gq, c.q0)
         dk = _add_rows(dk, gk, c.k0)
         dv = _add_rows(dv, gv, c.k0)
@@ -309,97 +366,135 @@ def _ring_perm(n: int):
 
 # ----------------------------------------------------------------------------- fwd / bwd
 
-def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None):
+def _ring_plans(ring: Ring, n: int, sq: int, sk: int, opts: Options, positions: bool):
+    """Per ring step, per device: the calls (see `ring_step_plans`; `pair_plans` with
+    positions)."""
+    if positions:
+        return [[pair_plans(layout_segments(ring.layout, n, r, sq),
+                            layout_segments(ring.layout, n, (r - t) % n, sk), opts.left,
+                            opts.right) for r in range(n)] for t in range(n)]
+    return [ring_step_plans(ring.layout, n, t, sq, sk, opts.left, opts.right) for t in range(n)]
+
+
+def _allgather_plans(ring: Ring, n: int, sq: int, sk: int, opts: Options, positions: bool):
+    """Per device: the calls against the gathered K/V in natural order."""
+    if positions:
+        return [[pair_plans(layout_segments(ring.layout, n, r, sq), [Segment(0, 0, n * sk)],
+                            opts.left, opts.right) for r in range(n)]]
+    return [allgather_plans(ring.layout, n, sq, sk, opts.left, opts.right)]
+
+
+def _gather_natural(x, ring: Ring, n: int):
+    """All of a sequence-sharded array (K, V, the keys' ids or positions) in natural order."""
+    if x is None:
+        return None
+    return natural_order(lax.all_gather(x, ring.axis_name, axis=1, tiled=True), n, ring.layout)
+
+
+def _send(tree, ring: Ring, perm):
+    """ppermute every array of `tree` (None leaves stay None) to the next device."""
+    return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
+
+
+def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None, segments=None):
     """Local shards in, local (out (b, sq_local, hq, dv) in q.dtype, lse float32 (b, hq,
-    sq_local)) out; `sinks` None or (hq,) float32, merged once at the end.
+    sq_local)) out; `sinks` None or (hq,) float32, merged once at the end; `segments` None
+    or a `jax_fa3.segments.Segments` of the local tokens (ids (b, sq_local) / (b, sk_local),
+    positions likewise or None), in the layout of q and k.
 
     The building block of `ring_attention` and of the sharding rules; not differentiable
     (use `ring_attention`)."""
     n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     b, _, hq, _ = q.shape
+    positions = _has_positions(segments)
     acc = (jnp.zeros((b, sq, hq, v.shape[3]), jnp.float32),
            jnp.full((b, hq, sq), -jnp.inf, jnp.float32))
     acc = tuple(varying_like(a, q, k, v) for a in acc)
 
-    def run(calls, acc, q, k, v):
-        return _fwd_calls(calls, opts, q, k, v, acc)
+    def run(calls, acc, q, k, v, kv_side):
+        return _fwd_calls(calls, opts, q, k, v, acc, _with_kv_side(segments, kv_side))
 
+    kv_side = _kv_side(segments)
     if ring.strategy == "allgather":
-        kf = natural_order(lax.all_gather(k, ring.axis_name, axis=1, tiled=True), n, ring.layout)
-        vf = natural_order(lax.all_gather(v, ring.axis_name, axis=1, tiled=True), n, ring.layout)
-        plans = [allgather_plans(ring.layout, n, sq, sk, opts.left, opts.right)]
-        acc = _switch(ring.axis_name, plans, run, (acc, q, kf, vf))
+        kf, vf = (_gather_natural(x, ring, n) for x in (k, v))
+        kv_side = jax.tree.map(lambda x: _gather_natural(x, ring, n), kv_side)
+        plans = _allgather_plans(ring, n, sq, sk, opts, positions)
+        acc = _switch(ring.axis_name, plans, run, (acc, q, kf, vf, kv_side))
     else:
-        plans = [ring_step_plans(ring.layout, n, t, sq, sk, opts.left, opts.right)
-                 for t in range(n)]
+        plans = _ring_plans(ring, n, sq, sk, opts, positions)
         perm = _ring_perm(n)
 
         def step(carry, t):
-            k, v, acc = carry
+            k, v, kv_side, acc = carry
             # Issue the next block's transfer before this block's compute: they overlap.
-            k_next, v_next = (lax.ppermute(x, ring.axis_name, perm) for x in (k, v))
-            acc = _switch(ring.axis_name, plans[:-1], run, (acc, q, k, v), t)
-            return (k_next, v_next, acc), None
+            k_next, v_next, kv_next = _send((k, v, kv_side), ring, perm)
+            acc = _switch(ring.axis_name, plans[:-1], run, (acc, q, k, v, kv_side), t)
+            return (k_next, v_next, kv_next, acc), None
 
         # A scan, not an unrolled loop: the plans repeat across steps, so each is compiled once.
         if n > 1:
-            (k, v, acc), _ = lax.scan(step, (k, v, acc), jnp.arange(n - 1))
-        acc = _switch(ring.axis_name, plans[-1:], run, (acc, q, k, v))  # last block: no send
+            (k, v, kv_side, acc), _ = lax.scan(step, (k, v, kv_side, acc), jnp.arange(n - 1))
+        # last block: no send
+        acc = _switch(ring.axis_name, plans[-1:], run, (acc, q, k, v, kv_side))
     o, lse = acc
     if sinks is not None:
         o, lse = merge_sinks(o, lse, sinks)
     return o.astype(q.dtype), lse
 
 
-def ring_attention_bwd(q, k, v, out, lse, dout, opts: Options, ring: Ring, dlse=None):
+def ring_attention_bwd(q, k, v, out, lse, dout, opts: Options, ring: Ring, dlse=None,
+                       segments=None):
     """(dq, dk, dv) of the local shards, given the final local out/lse (sinks included,
-    when there are sinks: nothing else of them is needed here), dout and optionally an LSE
-    cotangent dlse (b, hq, sq_local)."""
+    when there are sinks: nothing else of them is needed here), dout, optionally an LSE
+    cotangent dlse (b, hq, sq_local), and the local `segments` as in `ring_attention_fwd`."""
     n = lax.axis_size(ring.axis_name)
     sq, sk = q.shape[1], k.shape[1]
     f32 = jnp.float32
+    positions = _has_positions(segments)
 
-    def run(calls, acc, q, k, v, out, lse, dout):
-        return _bwd_calls(calls, opts, q, k, v, out, lse, dout, dlse, acc)
+    def run(calls, acc, q, k, v, out, lse, dout, kv_side):
+        return _bwd_calls(calls, opts, q, k, v, out, lse, dout, dlse, acc,
+                          _with_kv_side(segments, kv_side))
 
+    kv_side = _kv_side(segments)
     if ring.strategy == "allgather":
-        kf = natural_order(lax.all_gather(k, ring.axis_name, axis=1, tiled=True), n, ring.layout)
-        vf = natural_order(lax.all_gather(v, ring.axis_name, axis=1, tiled=True), n, ring.layout)
+        kf, vf = (_gather_natural(x, ring, n) for x in (k, v))
+        kv_side = jax.tree.map(lambda x: _gather_natural(x, ring, n), kv_side)
         acc = (jnp.zeros(q.shape, f32), jnp.zeros(kf.shape, f32), jnp.zeros(vf.shape, f32))
         acc = tuple(varying_like(a, q, k, v, out, lse, dout) for a in acc)
-        plans = [allgather_plans(ring.layout, n, sq, sk, opts.left, opts.right)]
-        dq, dk, dv = _switch(ring.axis_name, plans, run, (acc, q, kf, vf, out, lse, dout))
+        plans = _allgather_plans(ring, n, sq, sk, opts, positions)
+        dq, dk, dv = _switch(ring.axis_name, plans, run,
+                             (acc, q, kf, vf, out, lse, dout, kv_side))
         # Every device holds partial dK/dV for the whole sequence: sum them onto the owners.
         dk = lax.psum_scatter(gathered_order(dk, n, ring.layout), ring.axis_name,
                               scatter_dimension=1, tiled=True)
         dv = lax.psum_scatter(gathered_order(dv, n, ring.layout), ring.axis_name,
                               scatter_dimension=1, tiled=True)
     else:
-        plans = [ring_step_plans(ring.layout, n, t, sq, sk, opts.left, opts.right)
-                 for t in range(n)]
+        plans = _ring_plans(ring, n, sq, sk, opts, positions)
         perm = _ring_perm(n)
 
-        def compute(k, v, grads, step_plans, t=0):
-            return _switch(ring.axis_name, step_plans, run, (grads, q, k, v, out, lse, dout), t)
+        def compute(k, v, kv_side, grads, step_plans, t=0):
+            return _switch(ring.axis_name, step_plans, run,
+                           (grads, q, k, v, out, lse, dout, kv_side), t)
 
         def step(carry, t):
-            k, v, dq, dk, dv = carry
-            k_next, v_next = (lax.ppermute(x, ring.axis_name, perm) for x in (k, v))
-            dq, dk, dv = compute(k, v, (dq, dk, dv), plans[:-1], t)
+            k, v, kv_side, dq, dk, dv = carry
+            k_next, v_next, kv_next = _send((k, v, kv_side), ring, perm)
+            dq, dk, dv = compute(k, v, kv_side, (dq, dk, dv), plans[:-1], t)
             # The float32 dK/dV accumulators follow their block around the ring.
-            dk, dv = (lax.ppermute(x, ring.axis_name, perm) for x in (dk, dv))
-            return (k_next, v_next, dq, dk, dv), None
+            dk, dv = _send((dk, dv), ring, perm)
+            return (k_next, v_next, kv_next, dq, dk, dv), None
 
         dq, dk, dv = (varying_like(jnp.zeros(x.shape, f32), q, k, v, out, lse, dout)
                       for x in (q, k, v))
-        k_own, v_own = k, v
         if n > 1:
-            (k, v, dq, dk, dv), _ = lax.scan(step, (k, v, dq, dk, dv), jnp.arange(n - 1))
-        dq, dk, dv = compute(k, v, (dq, dk, dv), plans[-1:])
+            (k, v, kv_side, dq, dk, dv), _ = lax.scan(step, (k, v, kv_side, dq, dk, dv),
+                                                      jnp.arange(n - 1))
+        dq, dk, dv = compute(k, v, kv_side, (dq, dk, dv), plans[-1:])
         # Device r now holds the accumulators of block r + 1: one more hop takes them home.
-        dk, dv = (lax.ppermute(x, ring.axis_name, perm) for x in (dk, dv))
-        k, v = k_own, v_own
+        dk, dv = _send((dk, dv), ring, perm)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -419,10 +514,20 @@ def _check_inputs(q, k, v, strategy, layout):
     return q, k, v
 
 
+def _check_segments(q, k, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """The local segment ids and positions, validated as flash_attention validates them
+    (a `jax_fa3.segments.Segments`, or None without segment ids)."""
+    fields = _validate.check_segments(q_segment_ids, kv_segment_ids, q_positions, kv_positions,
+                                      q.shape, k.shape)
+    return None if fields is None else Segments(*fields)
+
+
 def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1, -1),
                    softcap: float = 0.0, softmax_scale: float | None = None, sinks=None,
                    strategy: str = "ring", layout: str = "contiguous", return_lse: bool = False,
-                   deterministic: bool = False, implementation: str | None = None):
+                   deterministic: bool = False, implementation: str | None = None,
+                   q_segment_ids=None, kv_segment_ids=None, q_positions=None,
+                   kv_positions=None):
     """Attention over a sequence sharded along mesh axis `axis_name`; call inside shard_map.
 
     q: (batch, seq_q_local, heads_q, head_dim); k: (batch, seq_k_local, heads_kv, head_dim);
@@ -431,30 +536,47 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, window_size=(-1,
     device of the ring). Masks (`causal`, `window_size`, bottom-right aligned) refer to
     the GLOBAL sequence, whose order across devices is `layout` ('contiguous' or 'zigzag',
     see the module docstring; the default 'contiguous' is what sharding a naturally ordered
-    array gives). `strategy` is 'ring' or 'allgather'. Returns out (and lse (batch, heads_q,
-    seq_q_local) float32 when `return_lse`); differentiable in q, k, v, through out and lse.
+    array gives). `strategy` is 'ring' or 'allgather'.
+
+    Packed sequences as in `jax_fa3.flash_attention`: `q_segment_ids` (batch, seq_q_local)
+    and `kv_segment_ids` (batch, seq_k_local) are this device's shards of the global ids, in
+    the same layout as q and k (zig-zag: permute them with `zigzag_permute` like q, k, v);
+    `q_positions` / `kv_positions` likewise. Without positions the band refers to the global
+    row index, as without segment ids; with positions it follows the positions (which then
+    need no layout: they are data).
+
+    Returns out (and lse (batch, heads_q, seq_q_local) float32 when `return_lse`);
+    differentiable in q, k, v (and sinks), through out and lse.
     """
     q, k, v = _check_inputs(q, k, v, strategy, layout)
     sinks = _validate.check_sinks(sinks, q.shape[2])
+    segments = _check_segments(q, k, q_segment_ids, kv_segment_ids, q_positions, kv_positions)
     opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap,
                                deterministic=deterministic, implementation=implementation,
                                head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
     ring = Ring(axis_name if isinstance(axis_name, str) else tuple(axis_name), strategy, layout)
-    out, lse = _ring(q, k, v, sinks, opts, ring)
+    out, lse = _ring(q, k, v, sinks, segments, opts, ring)
     return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, sinks, opts, ring):
-    return ring_attention_fwd(q, k, v, opts, ring, sinks=sinks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q, k, v, sinks, segments, opts, ring):
+    return ring_attention_fwd(q, k, v, opts, ring, sinks=sinks, segments=segments)
 
 
-def _ring_vjp_fwd(q, k, v, sinks, opts, ring):
-    q, k, v, sinks = (getattr(x, "value", x) for x in (q, k, v, sinks))  # symbolic_zeros wraps
-    out, lse = ring_attention_fwd(q, k, v, opts, ring, sinks=sinks)
-    return (out, lse), (q, k, v, sinks, out, lse)
+def _unwrap(x):
+    """custom_vjp with symbolic_zeros hands the fwd rule CustomVJPPrimal wrappers."""
+    return getattr(x, "value", x)
+
+
+def _ring_vjp_fwd(q, k, v, sinks, segments, opts, ring):
+    q, k, v, sinks = map(_unwrap, (q, k, v, sinks))
+    if segments is not None:
+        segments = type(segments)(*map(_unwrap, segments))
+    out, lse = ring_attention_fwd(q, k, v, opts, ring, sinks=sinks, segments=segments)
+    return (out, lse), (q, k, v, sinks, segments, out, lse)
 
 
 def _sinks_grad(sinks, out, lse, dout, dlse):
@@ -465,14 +587,14 @@ def _sinks_grad(sinks, out, lse, dout, dlse):
 
 
 def _ring_vjp_bwd(opts, ring, res, cts):
-    q, k, v, sinks, out, lse = res
+    q, k, v, sinks, segments, out, lse = res
     dout, dlse = cts
     if isinstance(dout, SymbolicZero):  # only the lse is differentiated
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    grads = ring_attention_bwd(q, k, v, out, lse, dout, opts, ring, dlse=dlse)
+    grads = ring_attention_bwd(q, k, v, out, lse, dout, opts, ring, dlse=dlse, segments=segments)
     dsinks = None if sinks is None else _sinks_grad(sinks, out, lse, dout, dlse)
-    return (*grads, dsinks)
+    return (*grads, dsinks, None)  # integer ids and positions have no gradient
 
 
 _ring.defvjp(_ring_vjp_fwd, _ring_vjp_bwd, symbolic_zeros=True)

@@ -11,6 +11,9 @@ when the inputs are sharded under `jax.jit`:
   * attention sinks (hq,) follow the query's head sharding; their gradient is formed from
     the global lse and D = rowsum(dout * out) outside the local calls (XLA partitions it);
   * v's head dim may differ from q's (it is never split either);
+  * packed sequences (a `jax_fa3.segments.Segments`: segment ids and optional positions,
+    (b, sq) / (b, sk)) follow the batch and sequence axes of q / k and are replicated over
+    heads; each device's call gets the ids (and positions) of its own tokens;
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
     that mesh axis.
 
@@ -36,6 +39,7 @@ strategy on request.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -48,6 +52,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax_fa3 import _core, _validate, portable, ring
 from jax_fa3._core import Options
 from jax_fa3._ops import _fold_batch_rule
+from jax_fa3.segments import Segments
 
 __all__ = ["context_parallel_attention", "partitioned_attention_fwd", "partitioned_attention_bwd",
            "may_partition", "plan_shardings", "AttentionShardings"]
@@ -105,6 +110,10 @@ class AttentionShardings:
     def sinks(self) -> P:  # (hq,): the query heads' sharding
         return P(_entry(self.heads))
 
+    @property
+    def tokens(self) -> P:  # (b, s): segment ids and positions, of queries or of keys
+        return P(_entry(self.batch), _entry(self.seq))
+
 
 def _head_axes(mesh_shape, axes: Axes, heads_q: int, heads_kv: int) -> tuple[Axes, Axes]:
     """(query-head axes, kv-head axes): the longest usable prefix of the query's head axes.
@@ -156,29 +165,64 @@ def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
     return lax.axis_index(shared) * heads_kv_local // lax.axis_size(shared)
 
 
-def _local_fwd(opts: Options, plan: AttentionShardings, q, k, v, sinks=None):
-    """Per-device forward on local shards (a ring over the sequence axes if sharded); sinks
-    are this device's query heads' (or None)."""
+# Packed sequences cross the custom_partitioning and shard_map boundaries as plain operands:
+# the fields of a Segments that are not None, in order, and a static tuple of which fields
+# they are ("layout"), from which the local bodies rebuild the record.
+
+def _segment_layout(segments) -> tuple[bool, ...]:
+    """Which fields of `segments` (q_ids, kv_ids, q_pos, kv_pos) are arrays; () for None."""
+    return () if segments is None else tuple(x is not None for x in segments)
+
+
+def _segment_operands(segments) -> tuple:
+    return () if segments is None else tuple(x for x in segments if x is not None)
+
+
+def _segments_of(layout: tuple[bool, ...], operands):
+    """Inverse of `_segment_operands` for a `_segment_layout`."""
+    if not layout:
+        return None
+    it = iter(operands)
+    return Segments(*(next(it) if present else None for present in layout))
+
+
+def _segment_specs(plan: "AttentionShardings", layout: tuple[bool, ...]) -> tuple:
+    """Specs of the segment operands: the tokens' batch and sequence axes, on either side."""
+    return (plan.tokens,) * sum(layout)
+
+
+def _local_fwd(opts: Options, plan: AttentionShardings, layout, q, k, v, *rest):
+    """Per-device forward on local shards (a ring over the sequence axes if sharded). `rest`:
+    the segment operands of `layout`, then this device's query heads' sinks (if any)."""
+    n = sum(layout)
+    segments = _segments_of(layout, rest[:n])
+    sinks = rest[n] if len(rest) > n else None
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
-        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq), sinks=sinks)
-    return _core.attention_fwd(q, k, v, opts, sinks=sinks)
+        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq), sinks=sinks,
+                                       segments=segments)
+    return _core.attention_fwd(q, k, v, opts, sinks=sinks, segments=segments)
 
 
-def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout, dlse=None):
-    """Per-device backward (dlse: optional LSE cotangent, sharded like lse); dK/dV partials
-    are summed over devices sharing a kv head."""
+def _local_bwd(opts: Options, plan: AttentionShardings, layout, with_dlse: bool, q, k, v, out,
+               lse, dout, *rest):
+    """Per-device backward. `rest`: the LSE cotangent (sharded like lse) when `with_dlse`,
+    then the segment operands of `layout`. dK/dV partials are summed over devices sharing a
+    kv head."""
+    dlse = rest[0] if with_dlse else None
+    segments = _segments_of(layout, rest[int(with_dlse):])
     k_all, v_all = k, v
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
     if plan.seq:
         dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts, _ring(plan.seq),
-                                             dlse=dlse)
+                                             dlse=dlse, segments=segments)
     else:
-        dq, dk, dv, _ = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse)
+        dq, dk, dv, _ = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse,
+                                            segments=segments)
     if plan.kv_shared:
         def gather(d, full):  # put this device's kv-head gradient in place, sum over sharers
             d = lax.dynamic_update_slice_in_dim(jnp.zeros(full.shape, jnp.float32),
@@ -191,10 +235,12 @@ def _local_bwd(opts: Options, plan: AttentionShardings, q, k, v, out, lse, dout,
 # ----------------------------------------------------------------------------- custom_partitioning
 
 def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
-                   with_sinks: bool = False, v_shape=None) -> tuple[str, dict]:
+                   with_sinks: bool = False, v_shape=None,
+                   segment_layout: tuple[bool, ...] = ()) -> tuple[str, dict]:
     """Shardy rule: batch b, seq s (t for keys if the lengths differ), query heads h, kv heads
     k, head dims d (q, k) and e (v, out; d again when they are equal) never sharded; the
-    forward's sinks (h).
+    forward's sinks (h); segment ids and positions "b s" (queries') or "b t" (keys'), after
+    the other operands (before the sinks).
 
     Query and kv heads are separate factors rather than the compound "(k g)": when the
     query-head sharding is finer than heads_kv, Shardy would split the mesh axis into
@@ -205,12 +251,14 @@ def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
     e = "d" if v_shape is None or v_shape[3] == q_shape[3] else "e"
     q, kv, lse = "b s h d", f"b {t} {hk} d", "b h s"
     o, vv = f"b s h {e}", f"b {t} {hk} {e}"
+    sides = ("b s", f"b {t}", "b s", f"b {t}")  # q_ids, kv_ids, q_pos, kv_pos
+    seg = "".join(f", {side}" for side, present in zip(sides, segment_layout) if present)
     if backward:
         dlse = f", {lse}" if with_dlse else ""
-        rule = f"{q}, {kv}, {vv}, {o}, {lse}, {o}{dlse} -> {q}, {kv}, {vv}"
+        rule = f"{q}, {kv}, {vv}, {o}, {lse}, {o}{dlse}{seg} -> {q}, {kv}, {vv}"
     else:
         sinks = ", h" if with_sinks else ""
-        rule = f"{q}, {kv}, {vv}{sinks} -> {o}, {lse}"
+        rule = f"{q}, {kv}, {vv}{seg}{sinks} -> {o}, {lse}"
     return rule, dict(need_replication_factors=tuple(dict.fromkeys(("d", e))))
 
 
@@ -232,13 +280,21 @@ def _named(mesh, specs):
     return tuple(NamedSharding(mesh, s) for s in specs)
 
 
-def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool):
-    """custom_partitioning forward for one set of static options (operands q, k, v and,
-    when with_sinks, the sinks)."""
+def _no_consts(body, *static):
+    """`body(*static, *args)` as a jitted function: custom_partitioning traces its callable
+    and refuses one that closes over constant arrays (an assertion, not a message), which a
+    local body may well do (a numpy mask, a jnp.array of literals); inside a jit the
+    constants stay in the inner function."""
+    return jax.jit(functools.partial(body, *static))
+
+
+def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool, layout=()):
+    """custom_partitioning forward for one set of static options (operands q, k, v, the
+    segment operands of `layout` and, when with_sinks, the sinks)."""
 
     @custom_partitioning
     def op(*args):
-        return _local_fwd(opts, AttentionShardings(), *args)
+        return _no_consts(_local_fwd, opts, AttentionShardings(), layout)(*args)
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
@@ -246,28 +302,29 @@ def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool):
 
     def partition(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
-        lower = lambda *args: _local_fwd(opts, plan, *args)
+        lower = lambda *args: _local_fwd(opts, plan, layout, *args)
         return (mesh, lower, _named(mesh, (plan.q, plan.lse)),
-                _named(mesh, _fwd_in_specs(plan, with_sinks)))
+                _named(mesh, _fwd_in_specs(plan, with_sinks, layout)))
 
     rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False, with_sinks=with_sinks,
-                                  v_shape=v_shape)
+                                  v_shape=v_shape, segment_layout=layout)
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
 
 
-def _fwd_in_specs(plan: AttentionShardings, with_sinks: bool):
-    """Specs of (q, k, v[, sinks])."""
-    return (plan.q, plan.kv, plan.kv) + ((plan.sinks,) if with_sinks else ())
+def _fwd_in_specs(plan: AttentionShardings, with_sinks: bool, layout=()):
+    """Specs of (q, k, v, segment operands...[, sinks])."""
+    return ((plan.q, plan.kv, plan.kv) + _segment_specs(plan, layout)
+            + ((plan.sinks,) if with_sinks else ()))
 
 
-def _cp_bwd(opts: Options, q_shape, k_shape, v_shape, with_dlse: bool):
+def _cp_bwd(opts: Options, q_shape, k_shape, v_shape, with_dlse: bool, layout=()):
     """custom_partitioning backward for one set of static options (operands q, k, v, out,
-    lse, dout and, when with_dlse, the LSE cotangent)."""
+    lse, dout, when with_dlse the LSE cotangent, then the segment operands of `layout`)."""
 
     @custom_partitioning
     def op(*args):
-        return _local_bwd(opts, AttentionShardings(), *args)
+        return _no_consts(_local_bwd, opts, AttentionShardings(), layout, with_dlse)(*args)
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
@@ -275,19 +332,20 @@ def _cp_bwd(opts: Options, q_shape, k_shape, v_shape, with_dlse: bool):
 
     def partition(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
-        lower = lambda *args: _local_bwd(opts, plan, *args)
+        lower = lambda *args: _local_bwd(opts, plan, layout, with_dlse, *args)
         return (mesh, lower, _named(mesh, (plan.q, plan.kv, plan.kv)),
-                _named(mesh, _bwd_in_specs(plan, with_dlse)))
+                _named(mesh, _bwd_in_specs(plan, with_dlse, layout)))
 
     rule, kwargs = _sharding_rule(q_shape, k_shape, backward=True, with_dlse=with_dlse,
-                                  v_shape=v_shape)
+                                  v_shape=v_shape, segment_layout=layout)
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
 
 
-def _bwd_in_specs(plan: AttentionShardings, with_dlse: bool):
-    """Specs of (q, k, v, out, lse, dout[, dlse])."""
-    return (plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q) + ((plan.lse,) if with_dlse else ())
+def _bwd_in_specs(plan: AttentionShardings, with_dlse: bool, layout=()):
+    """Specs of (q, k, v, out, lse, dout[, dlse], segment operands...)."""
+    return ((plan.q, plan.kv, plan.kv, plan.q, plan.lse, plan.q)
+            + ((plan.lse,) if with_dlse else ()) + _segment_specs(plan, layout))
 
 
 # ----------------------------------------------------------------------------- explicit axes
@@ -325,36 +383,43 @@ def may_partition() -> bool:
     return mesh.empty or any(t != AxisType.Manual for t in mesh.axis_types)
 
 
-def partitioned_attention_fwd(q, k, v, opts: Options, sinks=None):
-    """`jax_fa3._core.attention_fwd` that partitions as one local call per device."""
-    args = (q, k, v) + (() if sinks is None else (sinks,))
+def partitioned_attention_fwd(q, k, v, opts: Options, sinks=None, segments=None):
+    """`jax_fa3._core.attention_fwd` that partitions as one local call per device;
+    `segments` (a `jax_fa3.segments.Segments` or None) follows the tokens."""
+    layout = _segment_layout(segments)
+    args = (q, k, v) + _segment_operands(segments) + (() if sinks is None else (sinks,))
     with_sinks = sinks is not None
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
-        body = lambda plan, *xs: _local_fwd(opts, plan, *xs)
-        return _shard_map_call(mesh, body, plan, args, _fwd_in_specs(plan, with_sinks),
+        body = lambda plan, *xs: _local_fwd(opts, plan, layout, *xs)
+        return _shard_map_call(mesh, body, plan, args, _fwd_in_specs(plan, with_sinks, layout),
                                (plan.q, plan.lse))
-    op = jax.custom_batching.custom_vmap(
-        lambda *xs: tuple(_cp_fwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_sinks)(*xs)))
+    op = jax.custom_batching.custom_vmap(lambda *xs: tuple(
+        _cp_fwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_sinks, layout)(*xs)))
     return _fold_batch_rule(op, num_shared=int(with_sinks))(*args)
 
 
-def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None):
+def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
+                              segments=None):
     """`jax_fa3._core.attention_bwd` that partitions as one local call per device: returns
     (dq, dk, dv, dsinks). The sinks' gradient, a sum over batch and rows, is formed here on
-    the global arrays (XLA partitions it along lse's sharding), not in the local calls."""
-    args = (q, k, v, out, lse, dout) + ((dlse,) if dlse is not None else ())
+    the global arrays (XLA partitions it along lse's sharding), not in the local calls.
+    `segments` as in `partitioned_attention_fwd`."""
+    layout = _segment_layout(segments)
+    args = ((q, k, v, out, lse, dout) + ((dlse,) if dlse is not None else ())
+            + _segment_operands(segments))
     with_dlse = dlse is not None
     mesh = _explicit_mesh(q)
     if mesh is not None:
         plan = _explicit_plan(mesh, q, k)
-        body = lambda plan, *xs: _local_bwd(opts, plan, *xs)
-        dq, dk, dv = _shard_map_call(mesh, body, plan, args, _bwd_in_specs(plan, with_dlse),
+        body = lambda plan, *xs: _local_bwd(opts, plan, layout, with_dlse, *xs)
+        dq, dk, dv = _shard_map_call(mesh, body, plan, args,
+                                     _bwd_in_specs(plan, with_dlse, layout),
                                      (plan.q, plan.kv, plan.kv))
     else:
         op = jax.custom_batching.custom_vmap(lambda *xs: tuple(
-            _cp_bwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_dlse)(*xs)))
+            _cp_bwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_dlse, layout)(*xs)))
         dq, dk, dv = _fold_batch_rule(op)(*args)
     dsinks = None if sinks is None else portable.sinks_grad(
         sinks, lse, portable.row_dot(dout, out), dlse)
@@ -366,7 +431,8 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
                                softmax_scale: float | None = None, sinks=None,
                                strategy: str = "ring", layout: str = "contiguous",
                                return_lse: bool = False, deterministic: bool = False,
-                               implementation=None):
+                               implementation=None, q_segment_ids=None, kv_segment_ids=None,
+                               q_positions=None, kv_positions=None):
     """Attention on global arrays whose sequence is sharded over `seq_axis` of `mesh`.
 
     q: (batch, seq_q, heads_q, head_dim), k: (batch, seq_k, heads_kv, head_dim), v: (batch,
@@ -375,6 +441,9 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
     logits, laid out as P(head_axis).
     With layout='zigzag' the arrays must already be in zig-zag order
     (`jax_fa3.ring.zigzag_permute(x, mesh.shape[seq_axis])`), and so is the result.
+    Packed sequences as in `jax_fa3.flash_attention`: `q_segment_ids` / `q_positions`
+    (batch, seq_q) and `kv_segment_ids` / `kv_positions` (batch, seq_k), in the same order
+    as q and k (zig-zag permuted with them), laid out as P(batch_axis, seq_axis).
     Differentiable; usable inside or outside `jax.jit`. Returns out, or (out, lse).
     """
     n = _size(dict(mesh.shape), _axes(seq_axis))
@@ -389,16 +458,28 @@ def context_parallel_attention(q, k, v, *, mesh, seq_axis, batch_axis=None, head
     qs = P(batch_axis, seq_axis, head_axis, None)
     lse_spec = P(batch_axis, head_axis, seq_axis)
     args, specs = (q, k, v), (qs, qs, qs)
-    if sinks is not None:  # checked here for its shape, so that shard_map's error is ours
+    # Checked here on the global shapes, so that shard_map's errors are ours.
+    segments = _validate.check_segments(q_segment_ids, kv_segment_ids, q_positions,
+                                        kv_positions, q.shape, k.shape)
+    seg_layout = _segment_layout(segments)
+    args = args + _segment_operands(segments)
+    specs = specs + (P(batch_axis, seq_axis),) * sum(seg_layout)
+    with_sinks = sinks is not None
+    if with_sinks:
         sinks = _validate.check_sinks(sinks, q.shape[2])
         args, specs = args + (sinks,), specs + (P(head_axis),)
 
-    def body(q, k, v, sinks=None):
+    def body(q, k, v, *rest):
+        n = sum(seg_layout)
+        seg = _segments_of(seg_layout, rest[:n]) or (None,) * 4
         return ring.ring_attention(q, k, v, axis_name=seq_axis, causal=causal,
                                    window_size=window_size, softcap=softcap,
-                                   softmax_scale=softmax_scale, sinks=sinks, strategy=strategy,
+                                   softmax_scale=softmax_scale,
+                                   sinks=rest[n] if with_sinks else None, strategy=strategy,
                                    layout=layout, return_lse=return_lse,
-                                   deterministic=deterministic, implementation=implementation)
+                                   deterministic=deterministic, implementation=implementation,
+                                   q_segment_ids=seg[0], kv_segment_ids=seg[1],
+                                   q_positions=seg[2], kv_positions=seg[3])
 
     if mesh.explicit_axes:  # shard_map wants inputs typed with exactly these shardings
         args = tuple(jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs))

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
+import segment_helpers
 from jax_fa3 import ring
 from jax_fa3._masks import band
 from jax_fa3.attention import flash_attention
@@ -89,6 +90,24 @@ def test_zigzag_balances_causal_work():
         assert contiguous[0] == () and len(contiguous[n - 1]) == 1
 
 
+@pytest.mark.parametrize("layout", ring.LAYOUTS)
+def test_pair_plans_cover_each_piece_pair_once(layout):
+    """With positions (data, not rows) every (query piece, key piece) is one call with the
+    band as given, none merged: positions stay consecutive inside each call."""
+    n, s = 4, 8
+    for r in range(n):
+        q_segs = ring.layout_segments(layout, n, r, s)
+        for src in range(n):
+            k_segs = ring.layout_segments(layout, n, src, s)
+            calls = ring.pair_plans(q_segs, k_segs, 3, 0)
+            assert len(calls) == len(q_segs) * len(k_segs)
+            assert all((c.left, c.right) == (3, 0) for c in calls)
+            cover = np.zeros((s, s), np.int64)
+            for c in calls:
+                cover[c.q0:c.q1, c.k0:c.k1] += 1
+            assert (cover == 1).all()
+
+
 def test_zigzag_helpers_round_trip():
     n, s = 4, 24
     x = jnp.arange(2 * s * 3).reshape(2, s, 3)
@@ -115,26 +134,33 @@ def _mesh(shape, names, types=AxisType.Auto):
                          devices=jax.devices()[:n])
 
 
-def _run_cp(q, k, v, dout, dlse, *, mesh, seq_axis, layout, sinks=None, **kw):
+SEGMENT_ARGS = ("q_segment_ids", "kv_segment_ids", "q_positions", "kv_positions")
+
+
+def _run_cp(q, k, v, dout, dlse, *, mesh, seq_axis, layout, sinks=None, segments=None, **kw):
     """context_parallel_attention on natural-order global arrays: (out, lse, dq, dk, dv) in
-    natural order, and dsinks last with `sinks`. Zig-zag inputs are permuted in and the
-    results permuted back."""
+    natural order, and dsinks last with `sinks`. Zig-zag inputs (segment ids and positions
+    too: `segments` = (q_ids, kv_ids, q_pos, kv_pos), None entries left out) are permuted in
+    and the results permuted back."""
     n = mesh.shape[seq_axis]
     zz = layout == "zigzag"
     perm = (lambda x, a=1: ring.zigzag_permute(x, n, a)) if zz else (lambda x, a=1: x)
     unperm = (lambda x, a=1: ring.zigzag_unpermute(x, n, a)) if zz else (lambda x, a=1: x)
+    segments = (None,) * 4 if segments is None else tuple(
+        None if x is None else jnp.asarray(x) for x in segments)
 
     @jax.jit
-    def run(q, k, v, dout, dlse, sinks):
+    def run(q, k, v, dout, dlse, sinks, segments):
+        seg_kw = {name: perm(x) for name, x in zip(SEGMENT_ARGS, segments) if x is not None}
         f = lambda q, k, v, *s: context_parallel_attention(
             q, k, v, mesh=mesh, seq_axis=seq_axis, layout=layout, return_lse=True,
-            sinks=s[0] if s else None, **kw)
+            sinks=s[0] if s else None, **seg_kw, **kw)
         extra = () if sinks is None else (sinks,)
         (out, lse), vjp = jax.vjp(f, perm(q), perm(k), perm(v), *extra)
         grads = vjp((perm(dout), perm(dlse, 2)))
         return (unperm(out), unperm(lse, 2)) + tuple(unperm(g) for g in grads[:3]) + grads[3:]
 
-    return run(q, k, v, dout, dlse, sinks)
+    return run(q, k, v, dout, dlse, sinks, segments)
 
 
 CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, options)
@@ -311,3 +337,119 @@ def test_ring_hlo_permutes_one_dtype_and_never_gathers():
     assert sorted(set(permutes)) == ["tensor<1x4x2x8xbf16>", "tensor<1x4x2x8xf32>"], permutes
     assert "all-gather" not in ring_fn.lower(q, k, v).compile().as_text()
     assert "all-gather" in grad_fn("allgather").lower(q, k, v).compile().as_text()
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+def _packed(seed, b, seq_q, seq_k, positions, empty_rows=()):
+    """(q_ids, kv_ids, q_pos, kv_pos) in natural order: several documents per row (one of
+    them one token long), padding tails, `empty_rows` all padding; kv ids of their own when
+    the lengths differ (None otherwise); with `positions`, positions restarting at each
+    document (None otherwise)."""
+    q_ids = segment_helpers.packed_ids(seed, b, seq_q, docs=5, empty_rows=empty_rows)
+    kv_ids = q_ids if seq_q == seq_k else segment_helpers.packed_ids(
+        seed + 1, b, seq_k, docs=5, empty_rows=empty_rows)
+    if not positions:
+        return q_ids, (None if seq_q == seq_k else kv_ids), None, None
+    q_pos = segment_helpers.restart_positions(q_ids)
+    return q_ids, kv_ids, q_pos, segment_helpers.restart_positions(kv_ids)
+
+
+SEGMENT_CASES = {  # name: (devices, layout, strategy, sq_local, sk_local, hq, hkv, positions,
+    #                    options)
+    "zigzag-causal-gqa-8dev": (8, "zigzag", "ring", 4, 4, 4, 2, False, dict(causal=True)),
+    "zigzag-causal-positions": (4, "zigzag", "ring", 8, 8, 4, 2, True, dict(causal=True)),
+    "contiguous-noncausal-mqa": (4, "contiguous", "ring", 8, 8, 4, 1, False, dict()),
+    "contiguous-window-positions": (4, "contiguous", "ring", 8, 8, 2, 2, True,
+                                    dict(causal=True, window_size=(5, -1), softcap=3.0)),
+    "zigzag-causal-sq<sk-own-kv-ids": (4, "zigzag", "ring", 4, 8, 2, 1, False,
+                                       dict(causal=True)),
+    "allgather-zigzag-window": (4, "zigzag", "allgather", 8, 8, 4, 2, False,
+                                dict(causal=True, window_size=(9, -1))),
+    "allgather-zigzag-positions": (4, "zigzag", "allgather", 8, 8, 4, 2, True,
+                                   dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(SEGMENT_CASES))
+def test_ring_with_segments_matches_oracle(name):
+    """Ring (and all-gather) attention with packed segment ids (and positions), ids
+    permuted with the tokens under zig-zag, vs the float64 oracle of the dense document mask:
+    out, lse, dq, dk, dv by the error-ratio rule (bf16, large logits); an all-padding batch
+    row gives out 0, lse -inf, zero gradients."""
+    n, layout, strategy, sq, sk, hq, hkv, positions, opts = SEGMENT_CASES[name]
+    b, d = 3, 16
+    mesh = _mesh((n,), ("sp",))
+    key = jax.random.key(sum(map(ord, name)))
+    q, k, v = helpers.random_qkv(key, b, n * sq, n * sk, hq, hkv, d, jnp.bfloat16, scale=2.0)
+    dout = helpers.random_like(jax.random.fold_in(key, 1), q)
+    dlse = jnp.zeros((b, hq, n * sq), jnp.float32)
+    segments = _packed(sum(map(ord, name)), b, n * sq, n * sk, positions, empty_rows=(2,))
+    out, lse, *grads = _run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout=layout,
+                               strategy=strategy, segments=segments, **opts)
+    helpers.check_against_oracle(name, q, k, v, out=out, lse=lse, grads=grads, dout=dout,
+                                 segments=segments, **opts)
+    assert not np.asarray(out)[2].any() and np.isneginf(np.asarray(lse)[2]).all()
+    for g in grads:
+        assert not np.asarray(g)[2].any()
+
+
+def test_ring_segments_equal_unsharded_with_sinks():
+    """float32, sinks and an LSE cotangent: ring and all-gather attention with segment ids
+    and positions equal the single-device flash_attention (the portable path), dsinks
+    included."""
+    b, s, hq, hkv, d = 2, 4 * 8, 4, 2, 16
+    opts = dict(causal=True, window_size=(11, -1), softcap=4.0)
+    q, k, v = helpers.random_qkv(jax.random.key(17), b, s, s, hq, hkv, d, jnp.float32)
+    dout = helpers.random_like(jax.random.key(18), q)
+    dlse = jax.random.normal(jax.random.key(19), (b, hq, s), jnp.float32)
+    sinks = helpers.random_sinks(20, hq)
+    q_ids, _, q_pos, _ = _packed(21, b, s, s, True)
+    mesh = _mesh((4,), ("sp",))
+    seg = dict(q_segment_ids=jnp.asarray(q_ids), q_positions=jnp.asarray(q_pos))
+    (out, lse), vjp = jax.vjp(lambda q, k, v, sk: flash_attention(
+        q, k, v, sinks=sk, return_lse=True, implementation="xla", **seg, **opts), q, k, v, sinks)
+    unsharded = (out, lse) + vjp((dout, dlse))
+    for strategy in ("ring", "allgather"):
+        got = _run_cp(q, k, v, dout, dlse, mesh=mesh, seq_axis="sp", layout="zigzag",
+                      strategy=strategy, sinks=sinks, segments=(q_ids, None, q_pos, None),
+                      **opts)
+        for label, a, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, unsharded):
+            np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5, err_msg=f"{strategy} {label}")
+
+
+def test_ring_segments_in_user_shard_map_with_check_vma():
+    """ring_attention with segment ids inside a user shard_map on an Explicit mesh (check_vma
+    on): the ids ride the ring with their K/V blocks; forward and gradients equal the oracle.
+    Only kv ids without q ids is an error naming the argument."""
+    mesh = _mesh((4,), ("sp",), AxisType.Explicit)
+    b, s, h, d = 2, 32, 2, 8
+    q, k, v = helpers.random_qkv(jax.random.key(23), b, s, s, h, h, d, jnp.float32)
+    ids = segment_helpers.packed_ids(24, b, s, docs=6)
+    spec = P(None, "sp")
+
+    def local(q, k, v, ids):
+        return ring.ring_attention(q, k, v, axis_name="sp", causal=True, return_lse=True,
+                                   q_segment_ids=ids)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4,
+                      out_specs=(spec, P(None, None, "sp")))
+    args = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v, ids))
+    out, lse = jax.jit(f)(*args)
+    ref_out, ref_lse = helpers.reference_f64(q, k, v, causal=True, segments=(ids, None))
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+    grads = jax.jit(jax.grad(lambda *a: f(*a)[0].sum(), argnums=(0, 1, 2)))(*args)
+    ref = helpers.reference_grads_f64(q, k, v, jnp.ones_like(q), causal=True,
+                                      segments=(ids, None))
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(g, r, atol=2e-5)
+
+    g = jax.shard_map(lambda q, k, v, ids: ring.ring_attention(q, k, v, axis_name="sp",
+                                                               kv_segment_ids=ids),
+                      mesh=mesh, in_specs=(spec,) * 4, out_specs=spec)
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        jax.jit(g)(*args)
+    with pytest.raises(ValueError, match="q_segment_ids"):
+        context_parallel_attention(q, k, v, mesh=mesh, seq_axis="sp",
+                                   q_segment_ids=jnp.zeros((b, s + 1), jnp.int32))

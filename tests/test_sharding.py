@@ -17,8 +17,10 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import helpers
+import segment_helpers
 from jax_fa3 import _core, attention, sharding
 from jax_fa3._masks import band
+from jax_fa3.segments import Segments
 
 NDEV = 8
 
@@ -84,6 +86,14 @@ def test_sharding_rule_strings():
     assert kw == {"need_replication_factors": ("d", "e")}
     bwd = rule((1, 8, 8, 192), (1, 8, 2, 192), True, v_shape=(1, 8, 2, 128))[0]
     assert bwd == "b s h d, b s k d, b s k e, b s h e, b h s, b s h e -> b s h d, b s k d, b s k e"
+    # Segment ids and positions follow the tokens: the queries' (b s), the keys' (b t),
+    # after the other operands and before the sinks.
+    fwd = rule((1, 8, 8, 8), (1, 16, 2, 8), False, with_sinks=True,
+               segment_layout=(True, True, True, True))[0]
+    assert fwd == "b s h d, b t k d, b t k d, b s, b t, b s, b t, h -> b s h d, b h s"
+    bwd = rule((1, 8, 4, 8), (1, 8, 4, 8), True, with_dlse=True,
+               segment_layout=(True, True, False, False))[0]
+    assert bwd.split(" -> ")[0].endswith("b h s, b s h d, b h s, b s, b s")
 
 
 # ----------------------------------------------------------------------------- partitioned calls
@@ -390,3 +400,148 @@ def test_user_shard_map_with_check_vma():
                       in_specs=(spec, spec, spec, P()), out_specs=P())
     want = jax.grad(sink_loss, argnums=3)(q, k, v8, sinks)
     np.testing.assert_allclose(jax.jit(f)(q, k, v8, sinks), want, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+def _segments(b, sq, sk, positions: bool, seed=0, empty_rows=(1,)):
+    """Packed segment ids (row `empty_rows` all padding, padding tails, a one-token
+    document) and, with `positions`, positions restarting at each document."""
+    q_ids = segment_helpers.packed_ids(seed, b, sq, docs=4, empty_rows=empty_rows)
+    kv_ids = q_ids if sq == sk else segment_helpers.packed_ids(seed + 1, b, sk, docs=4,
+                                                               empty_rows=empty_rows)
+    q_pos = kv_pos = None
+    if positions:
+        q_pos, kv_pos = (segment_helpers.restart_positions(x) for x in (q_ids, kv_ids))
+    return Segments(*(None if x is None else jnp.asarray(x) for x in (q_ids, kv_ids, q_pos,
+                                                                       kv_pos)))
+
+
+def _with_segments(f, segments):
+    """f(q, k, v, opts, ...) with `segments` bound."""
+    return lambda *a, **kw: f(*a, **kw, segments=segments)
+
+
+SEGMENT_MESHES = ["batch", "heads", "batch-heads-gqa", "heads-finer-than-kv", "seq-ring",
+                  "batch-seq"]
+
+
+@pytest.mark.parametrize("types,positions", [(AxisType.Auto, False), (AxisType.Auto, True),
+                                             (AxisType.Explicit, True)],
+                         ids=["auto-ids", "auto-positions", "explicit-positions"])
+@pytest.mark.parametrize("name", SEGMENT_MESHES)
+def test_partitioned_with_segments(name, types, positions):
+    """Segment ids (and positions) sharded with the tokens' batch and sequence axes: out,
+    lse, dq, dk, dv (with an LSE cotangent) equal the single-device call with the same
+    segments, an all-padding batch row included (out 0, lse -inf, zero gradients)."""
+    shape, names, spec, hq, hkv, causal = MESHES[name]
+    mesh = _mesh(shape, names, types)
+    q, k, v, dout = _inputs(8, 16, hq, hkv, seed=21)
+    dlse = jax.random.normal(jax.random.key(22), (8, hq, 16), jnp.float32)
+    opts = _opts(causal, window_size=(6, -1) if positions else (-1, -1))
+    segments = _segments(8, 16, 16, positions)
+    want = _fwd_bwd(_with_segments(_core.attention_fwd, segments),
+                    _with_segments(_core.attention_bwd, segments), q, k, v, dout, opts, dlse)[0]
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
+    qs, dos = _put(mesh, spec, q, dout)
+    ks, vs = _put(mesh, _kv_input_spec(mesh, spec, hkv), k, v)
+    (dlses,) = _put(mesh, plan.lse, dlse)
+    seg_s = Segments(*(None if x is None else _put(mesh, plan.tokens, x)[0] for x in segments))
+    got, _, _ = _fwd_bwd(_with_segments(sharding.partitioned_attention_fwd, seg_s),
+                         _with_segments(sharding.partitioned_attention_bwd, seg_s),
+                         qs, ks, vs, dos, opts, dlses)
+    for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5, err_msg=f"{name}: {label}")
+    out, lse, dq, dk, dv = got
+    assert not np.asarray(out)[1].any() and np.isneginf(np.asarray(lse)[1]).all()
+    assert not np.asarray(dq)[1].any() and not np.asarray(dk)[1].any()
+    assert _same_spec(out.sharding.spec, spec)
+
+
+def test_partitioned_segments_oracle_and_sq_ne_sk():
+    """A (batch, seq) mesh with seq_q != seq_k (keys' ids of their own), sinks and an LSE
+    cotangent: the ring route with segments vs the float64 oracle of the dense mask."""
+    mesh = _mesh((2, 4), ("data", "sp"), AxisType.Auto)
+    b, sq, sk, hq, hkv = 2, 16, 32, 4, 2
+    q, k, v = helpers.random_qkv(jax.random.key(31), b, sq, sk, hq, hkv, 16, jnp.float32,
+                                 scale=2.0, head_dim_v=8)
+    dout = helpers.random_like(jax.random.key(32), jnp.zeros((b, sq, hq, 8)))
+    dlse = jax.random.normal(jax.random.key(33), (b, hq, sq), jnp.float32)
+    sinks = helpers.random_sinks(34, hq)
+    segments = _segments(b, sq, sk, False, seed=35, empty_rows=())
+    opts = _opts(True, window_size=(9, -1))
+    spec = P("data", "sp")
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q.shape, k.shape)
+    assert plan.seq == ("sp",)
+    seg_s = Segments(*(_put(mesh, plan.tokens, x)[0] for x in segments[:2]))
+    fwd = jax.jit(lambda q, k, v, s: sharding.partitioned_attention_fwd(
+        q, k, v, opts, sinks=s, segments=seg_s))
+    bwd = jax.jit(lambda *a: sharding.partitioned_attention_bwd(
+        *a[:6], opts, dlse=a[6], sinks=a[7], segments=seg_s))
+    qs, ks, vs, dos = _put(mesh, spec, q, k, v, dout)
+    out, lse = fwd(qs, ks, vs, sinks)
+    grads = bwd(qs, ks, vs, out, lse, dos, _put(mesh, plan.lse, dlse)[0], sinks)
+    kw = dict(softmax_scale=opts.softmax_scale, left=opts.left, right=opts.right, sinks=sinks,
+              segments=segments)
+    ref_out, ref_lse = helpers.reference_f64(q, k, v, **kw)
+    ref_grads = helpers.reference_grads_f64(q, k, v, dout, dlse=dlse, **kw)
+    np.testing.assert_allclose(out, ref_out, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-5)
+    for name, g, r in zip(("dq", "dk", "dv", "dsinks"), grads, ref_grads):
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4, err_msg=name)
+
+
+def test_partitioned_segments_under_vmap():
+    """vmap over a stack of (q, k, v, segment ids) folds into the batch of the partitioned
+    call; unbatched segments are shared by the stack."""
+    mesh = _mesh((4,), ("data",), AxisType.Auto)
+    q, k, v, _ = _inputs(4, 16, 4, 2, seed=41)
+    opts = _opts(True)
+    seg = _segments(4, 16, 16, True, seed=42)
+    other = _segments(4, 16, 16, True, seed=43)
+    stack = lambda a, b_: jnp.stack([a, b_])
+    qs, ks, vs = (jax.device_put(stack(x, x[::-1]), NamedSharding(mesh, P(None, "data")))
+                  for x in (q, k, v))
+    batched = Segments(*(stack(a, b_) for a, b_ in zip(seg, other)))
+
+    f = jax.jit(jax.vmap(lambda q, k, v, s: sharding.partitioned_attention_fwd(
+        q, k, v, opts, segments=s)))
+    out, lse = f(qs, ks, vs, batched)
+    shared = jax.jit(jax.vmap(lambda q, k, v: sharding.partitioned_attention_fwd(
+        q, k, v, opts, segments=seg)))(qs, ks, vs)
+    for i, (sl, s) in enumerate(((slice(None), seg), (slice(None, None, -1), other))):
+        o, l = _core.attention_fwd(q[sl], k[sl], v[sl], opts, segments=s)
+        np.testing.assert_allclose(out[i], o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lse[i], l, rtol=1e-5, atol=1e-5)
+        o, l = _core.attention_fwd(q[sl], k[sl], v[sl], opts, segments=seg)
+        np.testing.assert_allclose(shared[0][i], o, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attention_with_segments_under_sharded_jit():
+    """flash_attention with segment ids and positions, differentiated under jit on (batch,
+    heads) and on (batch, seq) meshes: equal to the unsharded result; the sequence-sharded
+    grad compiles to a ring (collective-permutes, no all-gather of q/k/v)."""
+    b, s, hq, hkv = 2, 32, 4, 2
+    q, k, v = helpers.random_qkv(jax.random.key(51), b, s, s, hq, hkv, 16, jnp.float32)
+    ids = jnp.asarray(segment_helpers.packed_ids(52, b, s, docs=5))
+    pos = jnp.asarray(segment_helpers.restart_positions(ids))
+
+    def loss(q, k, v, ids, pos):
+        out = attention.flash_attention(q, k, v, causal=True, window_size=(9, -1),
+                                        q_segment_ids=ids, q_positions=pos)
+        return jnp.sum(out ** 2)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    want_value, want = grad(q, k, v, ids, pos)
+    for shape, names, spec in (((2, 2), ("data", "model"), P("data", None, "model")),
+                               ((2, 2), ("data", "sp"), P("data", "sp"))):
+        mesh = _mesh(shape, names, AxisType.Auto)
+        args = _put(mesh, spec, q, k, v) + _put(mesh, P(*spec[:2]), ids, pos)
+        value, got = grad(*args)
+        np.testing.assert_allclose(value, want_value, rtol=1e-5)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+            assert _same_spec(g.sharding.spec, spec)
+        if "sp" in names:
+            found = _collectives(grad.lower(*args).compile().as_text())
+            assert "collective-permute" in found and "all-gather" not in found, found
