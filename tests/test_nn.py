@@ -20,6 +20,7 @@ import pytest
 
 import helpers
 import jax_fa3.nn
+import segment_helpers
 from jax_fa3.nn.rope import apply_rope
 
 flax = pytest.importorskip("flax")
@@ -223,6 +224,62 @@ def test_nnx_learnable_sinks():
     assert float(jnp.abs(g["sinks"]).min()) > 0
 
 
+def _packed_inputs(batch, seqlen, seed, empty_rows=(1,)):
+    """Segment ids (a one-token document, padding tails, `empty_rows` all padding) and
+    positions restarting at each document, as jnp int32."""
+    ids = segment_helpers.packed_ids(seed, batch, seqlen, docs=4, empty_rows=empty_rows)
+    return jnp.asarray(ids), jnp.asarray(segment_helpers.restart_positions(ids))
+
+
+def test_nnx_segment_ids_match_reference():
+    """Packed self-attention (GQA, causal + window, RoPE): segment ids with positions that
+    restart at each document, forward and gradients against the reference with the dense
+    document mask; the same without positions (row-index band: equal for contiguous
+    documents, and RoPE only sees differences); an all-padding row gives the out bias."""
+    m = MultiHeadAttention(H, F, num_kv_heads=2, causal=True, window_size=(5, -1), rope=True,
+                           rngs=nnx.Rngs(0))
+    x, dy = inputs(1, 3, 14, F), inputs(2, 3, 14, F)
+    ids, pos = _packed_inputs(3, 14, seed=3)
+    opts = dict(causal=True, window_size=(5, -1))
+    y, g = nnx_out_and_grad(m, lambda m: m(x, segment_ids=ids, positions=pos), dy)
+    seg = (np.asarray(ids), None, np.asarray(pos), None)
+    y_ref, g_ref = out_and_grad(
+        lambda p: ref_mha(p, x, x, rope=True, q_pos=pos, k_pos=pos, segments=seg, **opts),
+        nnx_params(m), dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(g, g_ref, 1e-4)
+    assert_close(y[1], jnp.broadcast_to(m.out.bias[...], y[1].shape), 0, "all-padding row")
+    y_rows = nnx.jit(lambda m, x, ids: m(x, segment_ids=ids))(m, x, ids)
+    assert_close(y_rows, y, 1e-5, "row positions")
+    # Without segment ids the documents see each other: a different result.
+    assert float(jnp.abs(nnx.jit(lambda m, x: m(x))(m, x) - y).max()) > 1e-3
+
+
+def test_nnx_cross_attention_kv_segment_ids_and_errors():
+    """Cross-attention with the keys' own segment ids (seqlen_q != seqlen_k, no RoPE,
+    positions for the mask only); bad combinations raise naming the argument."""
+    m = MultiHeadAttention(H, F, num_kv_heads=1, causal=True, rngs=nnx.Rngs(0))
+    xq, xkv, dy = inputs(1, 2, 8, F), inputs(2, 2, 12, F), inputs(3, 2, 8, F)
+    q_ids, q_pos = _packed_inputs(2, 8, seed=5, empty_rows=())
+    kv_ids, kv_pos = _packed_inputs(2, 12, seed=6, empty_rows=())
+    call = lambda m: m(xq, xkv, segment_ids=q_ids, kv_segment_ids=kv_ids, positions=q_pos,
+                       kv_positions=kv_pos)
+    y, g = nnx_out_and_grad(m, call, dy)
+    seg = tuple(np.asarray(a) for a in (q_ids, kv_ids, q_pos, kv_pos))
+    y_ref, g_ref = out_and_grad(lambda p: ref_mha(p, xq, xkv, causal=True, segments=seg),
+                                nnx_params(m), dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(g, g_ref, 1e-4)
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        m(xq, xkv, segment_ids=q_ids)  # the keys' ids cannot default to the queries'
+    with pytest.raises(ValueError, match="segment_ids"):
+        m(xq, xkv, kv_segment_ids=kv_ids)
+    with pytest.raises(ValueError, match="rope=True or with segment_ids"):
+        m(xq, xkv, positions=q_pos)
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        m(xq, xkv, segment_ids=q_ids[:, :5], kv_segment_ids=kv_ids)
+
+
 # ------------------------------------------------------------------ attention_fn adapter
 
 
@@ -366,6 +423,25 @@ def test_linen_learnable_sinks():
     assert "sinks" not in plain
 
 
+def test_linen_segment_ids_match_reference():
+    """Linen with segment ids (and positions), under jit and vmap over unbatched rows."""
+    m = LinenMultiHeadAttention(num_heads=H, num_kv_heads=2, causal=True, rope=True)
+    x, dy = inputs(1, 2, 11, F), inputs(2, 2, 11, F)
+    ids, pos = _packed_inputs(2, 11, seed=7)
+    params = jax.jit(m.init)(jax.random.key(0), x)["params"]
+    y, g = out_and_grad(lambda p: m.apply({"params": p}, x, segment_ids=ids, positions=pos),
+                        params, dy)
+    seg = (np.asarray(ids), None, np.asarray(pos), None)
+    y_ref, g_ref = out_and_grad(
+        lambda p: ref_mha(p, x, x, rope=True, q_pos=pos, k_pos=pos, causal=True, segments=seg),
+        params, dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(g, g_ref, 1e-4)
+    vmapped = jax.jit(jax.vmap(lambda x, i, p_: m.apply({"params": params}, x, segment_ids=i,
+                                                        positions=p_)))(x, ids, pos)
+    assert_close(vmapped, y, name="vmap")
+
+
 # ------------------------------------------------------------------ Equinox module
 
 
@@ -442,6 +518,26 @@ def test_eqx_learnable_sinks_and_value_head_dim():
     assert float(jnp.abs(g.sinks).min()) > 0
     batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, jnp.stack([x, -x]))
     assert_close(batched[0], y, name="vmap")
+
+
+def test_eqx_segment_ids_under_vmap():
+    """Equinox takes unbatched (seqlen,) segment ids and positions and batches them with the
+    sequence under jax.vmap (one batched attention call, no loop); forward and gradients
+    match the reference with the dense document mask."""
+    m = EqxAttention(H, F, num_kv_heads=2, causal=True, rope=True, use_query_bias=True,
+                     key=jax.random.key(0))
+    x, dy = inputs(1, 3, 10, F), inputs(2, 3, 10, F)
+    ids, pos = _packed_inputs(3, 10, seed=9)
+    call = lambda m: jax.vmap(lambda x, i, p: m(x, segment_ids=i, positions=p))(x, ids, pos)
+    y, g = eqx_out_and_grad(m, call, dy)
+    seg = (np.asarray(ids), None, np.asarray(pos), None)
+    y_ref, g_ref = out_and_grad(
+        lambda p: ref_mha(p, x, x, rope=True, q_pos=pos, k_pos=pos, causal=True, segments=seg),
+        eqx_as_flax_params(m), dy)
+    assert_close(y, y_ref, name="forward")
+    assert_trees_close(eqx_as_flax_params(g), g_ref, 1e-4)
+    assert_close(m(x[0], segment_ids=ids[0], positions=pos[0]), y[0], name="one row")
+    assert not _loops_of_length(jax.make_jaxpr(call)(m).jaxpr, 3)
 
 
 def _loops_of_length(jaxpr, n):

@@ -137,6 +137,8 @@ class MultiheadAttention(eqx.Module):
         *,
         positions: jax.Array | None = None,
         kv_positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None,
         key: jax.Array | None = None,
     ) -> jax.Array:
         """Attends ``query`` ``(seqlen_q, query_size)`` to ``key_``/``value`` ``(seqlen_k, ...)``.
@@ -145,6 +147,12 @@ class MultiheadAttention(eqx.Module):
         ``(seqlen_q,)`` defaults to the last ``seqlen_q`` of ``0..seqlen_k-1`` and
         ``kv_positions`` to ``positions`` (self-attention) or ``0..seqlen_k-1``. ``key`` (a PRNG
         key, in Equinox's calling convention) is unused: there is no dropout.
+
+        Packed sequences: ``segment_ids`` ``(seqlen_q,)`` (int, 0 = padding) and
+        ``kv_segment_ids`` ``(seqlen_k,)`` (default ``segment_ids``), batched by ``jax.vmap``
+        with the sequence; a query sees only keys of its own segment. With segment ids,
+        integer ``positions`` / ``kv_positions`` also drive causal/window (see
+        :meth:`jax_fa3.nn.flax.MultiHeadAttention.__call__`).
         """
         del key
         if query.ndim != 2:
@@ -164,5 +172,6 @@ class MultiheadAttention(eqx.Module):
         k = heads(self.key_proj, key_, self.num_kv_heads)
         v = heads(self.value_proj, value, self.num_kv_heads)
         out = attend(q[None], k[None], v[None], positions=positions, kv_positions=kv_positions,
-                     sinks=self.sinks, **module_options(self))[0]
+                     segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=self.sinks,
+                     **module_options(self))[0]
         return jax.vmap(self.output_proj)(out.reshape(out.shape[0], -1))

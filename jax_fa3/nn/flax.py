@@ -9,8 +9,8 @@ Three ways in, from least to most change to an existing model:
   layout as Flax's multi-head attention (``query``/``key``/``value``/``out`` linear maps), plus
   what flash attention does natively: GQA (``num_kv_heads``), bottom-right aligned causal masks,
   sliding windows, logit soft-capping, optional RoPE and optional learnable attention sinks
-  (``use_sinks``: a ``sinks`` parameter of shape ``(num_heads,)``, float32, zero at creation).
-  No dropout.
+  (``use_sinks``: a ``sinks`` parameter of shape ``(num_heads,)``, float32, zero at creation),
+  and packed sequences (``segment_ids`` in the call). No dropout.
 
 Flax is an optional dependency: ``pip install 'jax-fa3[flax]'``.
 """
@@ -295,6 +295,8 @@ class MultiHeadAttention(nnx.Module):
         *,
         positions: jax.Array | None = None,
         kv_positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None,
     ) -> jax.Array:
         """Attends ``inputs_q`` (``[batch..., seqlen_q, in_features]``) to the keys/values.
 
@@ -302,6 +304,17 @@ class MultiHeadAttention(nnx.Module):
         ``positions`` (``[batch..., seqlen_q]`` or ``[seqlen_q]``) defaults to the last
         ``seqlen_q`` of ``0..seqlen_k-1``; ``kv_positions`` defaults to ``positions`` for
         self-attention and to ``0..seqlen_k-1`` otherwise.
+
+        Packed sequences: ``segment_ids`` (``[batch..., seqlen_q]`` or ``[seqlen_q]``, int;
+        0 = padding) lets a query see only keys of its own segment; ``kv_segment_ids`` (the
+        keys', ``[batch..., seqlen_k]``) defaults to ``segment_ids``. Passed to
+        :func:`jax_fa3.flash_attention` as ``q_segment_ids`` / ``kv_segment_ids``; padding
+        rows give 0. With segment ids, integer ``positions`` / ``kv_positions`` (each
+        token's position in its document, e.g. restarting at 0) also drive causal/window
+        (``q_positions`` / ``kv_positions`` there), with or without RoPE. Without positions
+        the mask follows the row index, which is the same for documents laid out
+        contiguously; RoPE only sees position differences, so restarting positions change
+        nothing inside a document.
         """
         inputs_k, inputs_v = self_attention_defaults(inputs_q, inputs_k, inputs_v)
         if inputs_q.shape[-1] != self.in_features:
@@ -311,7 +324,8 @@ class MultiHeadAttention(nnx.Module):
         query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
         sinks = None if self.sinks is None else self.sinks[...]
         x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
-                   sinks=sinks, **module_options(self))
+                   segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
+                   **module_options(self))
         return self.out(x)
 
 
@@ -359,8 +373,11 @@ class LinenMultiHeadAttention(linen.Module):
         *,
         positions: jax.Array | None = None,
         kv_positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        kv_segment_ids: jax.Array | None = None,
     ) -> jax.Array:
-        """Same arguments and defaults as :meth:`MultiHeadAttention.__call__`."""
+        """Same arguments and defaults as :meth:`MultiHeadAttention.__call__` (segment ids
+        included)."""
         inputs_k, inputs_v = self_attention_defaults(inputs_q, inputs_k, inputs_v)
         qkv_features = self.qkv_features or inputs_q.shape[-1]
         out_features = self.out_features or inputs_q.shape[-1]
@@ -386,7 +403,8 @@ class LinenMultiHeadAttention(linen.Module):
         if self.use_sinks:
             sinks = self.param("sinks", lambda _, n: initial_sinks(n), self.num_heads)
         x = attend(query, key, value, positions=positions, kv_positions=kv_positions,
-                   sinks=sinks, **module_options(self))
+                   segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, sinks=sinks,
+                   **module_options(self))
         return dense(
             out_features,
             "out",
