@@ -6,6 +6,12 @@ of `cpp/include/fa3/params.h`: q/dq (b, sq, hq, d); k/dk (b, sk, hkv, d); v/dv (
 out/dout (b, sq, hq, dv); lse (b, hq, sq) float32. Any head dims that are multiples of 8 up to
 256 run on the smallest compiled kernel that holds them (jax_fa3/_ffi.py, kernel_head_dim).
 Masks arrive normalised: causal is window_right == 0, -1 means unbounded.
+
+Packed documents (segment ids, varlen) arrive as `bands`, the four int32 arrays of
+cpp/include/fa3/params.h's DocBands that jax_fa3/segments.py builds: q_rows (b, sq, 2), the
+[lo, hi) keys each query row may see; q_groups (b, ceil(sq / 16), 4), their (min lo, max lo,
+min hi, max hi) per 16 rows; k_rows (b, sk, 2) and k_groups (b, ceil(sk / 16), 4), the same
+for the query rows that see each key. The band (window) still applies on top.
 """
 
 from __future__ import annotations
@@ -62,17 +68,28 @@ def _no_sinks():
     return jnp.zeros((0,), jnp.float32)
 
 
-def fwd(q, k, v, sinks=None, *, softmax_scale: float, softcap: float, window_left: int,
+def _no_bands(b):
+    """The bands operands of a call without documents: empty per batch row (the handler reads
+    none), so that the batching rule folds them like any batched operand."""
+    rows = jnp.zeros((b, 0, 2), jnp.int32)
+    groups = jnp.zeros((b, 0, 4), jnp.int32)
+    return rows, groups, rows, groups
+
+
+def fwd(q, k, v, sinks=None, bands=None, *, softmax_scale: float, softcap: float, window_left: int,
         window_right: int):
     """Kernel forward: returns (out, lse); out (b, sq, hq, dv) takes v's head dim.
 
     `sinks`: None, or (hq,) float32 attention-sink logits, one per query head: a row's softmax
     denominator gains exp(sinks[h]) (in the units of the scaled scores) and its lse includes it.
-    A row that sees no key then has out 0 and lse = sinks[h]."""
+    A row that sees no key then has out 0 and lse = sinks[h].
+
+    `bands`: None, or the (q_rows, q_groups, k_rows, k_groups) of packed documents (module
+    docstring); the forward reads the first two."""
     attrs = _options(softmax_scale, softcap, window_left, window_right)
 
     @custom_vmap
-    def op(q, k, v, sinks):
+    def op(q, k, v, q_rows, q_groups, sinks):
         b, sq, hq, _ = q.shape
         call = jax.ffi.ffi_call(
             _ffi.FWD_TARGET,
@@ -80,25 +97,26 @@ def fwd(q, k, v, sinks=None, *, softmax_scale: float, softcap: float, window_lef
              jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
             vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
         )
-        out, lse, _ = call(q, k, v, sinks, **attrs)
+        out, lse, _ = call(q, k, v, sinks, q_rows, q_groups, **attrs)
         return out, lse
 
     sinks = _no_sinks() if sinks is None else sinks.astype(jnp.float32)
-    return _fold_batch_rule(op, num_shared=1)(q, k, v, sinks)
+    q_rows, q_groups, _, _ = _no_bands(q.shape[0]) if bands is None else bands
+    return _fold_batch_rule(op, num_shared=1)(q, k, v, q_rows, q_groups, sinks)
 
 
-def bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float, window_left: int,
+def bwd(q, k, v, out, lse, dout, bands=None, *, softmax_scale: float, softcap: float, window_left: int,
         window_right: int, deterministic: bool, return_dpsum: bool = False):
     """Kernel backward: returns (dq, dk, dv) in the dtypes of (q, k, v), and with
     `return_dpsum` also D = rowsum(dout * out) (b, hq, sq) float32, the row sums the kernel
     computes anyway (the sinks' gradient is -sum over rows of exp(sinks - lse) * D).
 
     `lse` is the forward's (with the sinks in it, when there are sinks): the kernel needs no
-    other sign of them."""
+    other sign of them. `bands`: as for `fwd` (all four arrays are read)."""
     attrs = _options(softmax_scale, softcap, window_left, window_right)
 
     @custom_vmap
-    def op(q, k, v, out, lse, dout):
+    def op(q, k, v, out, lse, dout, q_rows, q_groups, k_rows, k_groups):
         b, sq, hq, _ = q.shape
         dpsum_shape = (b, hq, sq) if return_dpsum else (b, 0)  # (b, 0): not written
         call = jax.ffi.ffi_call(
@@ -108,7 +126,9 @@ def bwd(q, k, v, out, lse, dout, *, softmax_scale: float, softcap: float, window
              jax.ShapeDtypeStruct(dpsum_shape, jnp.float32)),
             vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
         )
-        return tuple(call(q, k, v, out, dout, lse, deterministic=bool(deterministic), **attrs))
+        return tuple(call(q, k, v, out, dout, lse, q_rows, q_groups, k_rows, k_groups,
+                          deterministic=bool(deterministic), **attrs))
 
-    dq, dk, dv, dpsum = _fold_batch_rule(op)(q, k, v, out, lse, dout)
+    bands = _no_bands(q.shape[0]) if bands is None else bands
+    dq, dk, dv, dpsum = _fold_batch_rule(op)(q, k, v, out, lse, dout, *bands)
     return (dq, dk, dv, dpsum) if return_dpsum else (dq, dk, dv)
