@@ -20,7 +20,6 @@ portable backward, which then runs.
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
@@ -37,28 +36,16 @@ __all__ = ["flash_attention", "flash_attention_varlen", "attention", "unavailabl
 
 # ----------------------------------------------------------------------------- custom_vjp
 
-# Until jax_fa3/sharding.py takes `segments`, calls with segments stay local (correct on any
-# input, but not partitioned): remove this check once it does.
-_SHARDING_TAKES_SEGMENTS = "segments" in inspect.signature(
-    sharding.partitioned_attention_fwd).parameters
-
-
-def _partitioned(q, k, kv_lengths, segments) -> bool:
+def _partitioned(q, k, kv_lengths) -> bool:
     """Through the sharding layer only when the inputs may be sharded and there is work to
     split (per-batch key lengths and empty calls stay local)."""
-    if segments is not None and not _SHARDING_TAKES_SEGMENTS:
-        return False
     return kv_lengths is None and not _core.is_empty(q, k) and sharding.may_partition()
 
 
-def _with_segments(segments) -> dict:
-    return {} if segments is None else dict(segments=segments)
-
-
 def _forward(q, k, v, sinks, kv_lengths, segments, opts: Options):
-    if _partitioned(q, k, kv_lengths, segments):
+    if _partitioned(q, k, kv_lengths):
         return sharding.partitioned_attention_fwd(q, k, v, opts, sinks=sinks,
-                                                  **_with_segments(segments))
+                                                  segments=segments)
     return _core.attention_fwd(q, k, v, opts, sinks=sinks, kv_lengths=kv_lengths,
                                segments=segments)
 
@@ -86,9 +73,9 @@ def _attention_bwd_rule(opts, residuals, cotangents):
     if isinstance(dout, SymbolicZero):  # only lse is differentiated
         dout = jnp.zeros(out.shape, out.dtype)
     dlse = None if isinstance(dlse, SymbolicZero) else dlse
-    if _partitioned(q, k, kv_lengths, segments):
+    if _partitioned(q, k, kv_lengths):
         dq, dk, dv, dsinks = sharding.partitioned_attention_bwd(
-            q, k, v, out, lse, dout, opts, dlse=dlse, sinks=sinks, **_with_segments(segments))
+            q, k, v, out, lse, dout, opts, dlse=dlse, sinks=sinks, segments=segments)
     else:
         dq, dk, dv, dsinks = _core.attention_bwd(q, k, v, out, lse, dout, opts, dlse=dlse,
                                                  sinks=sinks, kv_lengths=kv_lengths,
