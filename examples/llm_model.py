@@ -1,10 +1,12 @@
 """A small decoder-only language model in Flax NNX: RMSNorm, RoPE, SwiGLU and GQA attention.
 
-The attention kernel is a plain function ``attend(q, k, v) -> out`` on
-``(batch, seqlen, heads, head_dim)`` arrays (causal), chosen by :func:`make_attend`:
-``jax_fa3.flash_attention`` for ``"fa3"``, ``jax.nn.dot_product_attention`` with cuDNN or
-XLA for comparison. The parameters do not depend on that choice, so runs are comparable
-step for step and checkpoints move between them.
+The attention kernel is a plain function ``attend(q, k, v, segment_ids) -> out`` on
+``(batch, seqlen, heads, head_dim)`` arrays (causal; ``segment_ids`` ``(batch, seqlen)`` or
+None: packed documents, a token sees only its own document, 0 = padding), chosen by
+:func:`make_attend`: ``jax_fa3.flash_attention`` for ``"fa3"``, ``jax.nn.dot_product_attention``
+with cuDNN or XLA for comparison (packed documents as a dense mask). The parameters do not
+depend on that choice, so runs are comparable step for step and checkpoints move between
+them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from flax import nnx
 import jax_fa3
 from jax_fa3.nn.rope import apply_rope
 
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 ATTENTION_CHOICES = ("fa3", "cudnn", "xla")
 
 
@@ -54,12 +56,24 @@ class ModelConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
 
+def document_mask(segment_ids: jax.Array) -> jax.Array:
+    """(batch, 1, seqlen, seqlen) bool for jax.nn.dot_product_attention: equal segment ids.
+    Padding (id 0) sees padding, so that no row is fully masked (its output is never used:
+    real tokens do not see padding, and the loss skips it)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
 def make_attend(name: str) -> Attend:
     """The causal attention function for ``--attention``: fa3, cudnn or xla."""
     if name == "fa3":
-        return lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True)
+        return lambda q, k, v, segment_ids=None: jax_fa3.flash_attention(
+            q, k, v, causal=True, q_segment_ids=segment_ids)
     if name in ("cudnn", "xla"):
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=name)
+        def attend(q, k, v, segment_ids=None):
+            mask = None if segment_ids is None else document_mask(segment_ids)
+            return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                                implementation=name)
+        return attend
     raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {name!r}")
 
 
@@ -97,10 +111,11 @@ class Attention(nnx.Module):
         self.attend = attend
         self.rope_base = cfg.rope_base
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
         q = apply_rope(self.query(x), positions, base=self.rope_base)
         k = apply_rope(self.key(x), positions, base=self.rope_base)
-        return self.out(self.attend(q, k, self.value(x)))
+        return self.out(self.attend(q, k, self.value(x), segment_ids))
 
 
 class SwiGLU(nnx.Module):
@@ -126,13 +141,18 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def __call__(self, x: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nnx.Module):
-    """Token ids ``(batch, seqlen)`` -> float32 logits ``(batch, seqlen, vocab_size)``."""
+    """Token ids ``(batch, seqlen)`` -> float32 logits ``(batch, seqlen, vocab_size)``.
+
+    Packed rows: ``segment_ids`` ``(batch, seqlen)`` (documents 1, 2, ..., 0 = padding) keep
+    attention inside each document, and ``positions`` (RoPE; default ``0..seqlen-1``) may
+    restart at each document."""
 
     def __init__(self, cfg: ModelConfig, attend: Attend, *, rngs: nnx.Rngs):
         cfg.validate()
@@ -145,14 +165,16 @@ class Transformer(nnx.Module):
                                   kernel_init=_normal(0.02), rngs=rngs)
         self.remat = cfg.remat
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        positions = jnp.arange(tokens.shape[-1], dtype=jnp.int32)
+    def __call__(self, tokens: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        if positions is None:
+            positions = jnp.arange(tokens.shape[-1], dtype=jnp.int32)
         x = self.embed(tokens)
         for block in self.blocks:
             if self.remat:  # recompute the block in the backward pass instead of storing it
-                x = nnx.remat(lambda b, x: b(x, positions))(block, x)
+                x = nnx.remat(lambda b, x: b(x, positions, segment_ids))(block, x)
             else:
-                x = block(x, positions)
+                x = block(x, positions, segment_ids)
         return self.lm_head(self.norm(x)).astype(jnp.float32)
 
 
@@ -167,9 +189,12 @@ def count_params(state: nnx.State) -> tuple[int, int]:
     return total, matmul
 
 
-def train_flops_per_token(cfg: ModelConfig, matmul_params: int, seq_len: int) -> float:
+def train_flops_per_token(cfg: ModelConfig, matmul_params: int, seq_len: int,
+                          mean_keys: float | None = None) -> float:
     """Model FLOPs per trained token: 6 * matmul params (forward 2, backward 4) plus causal
-    attention, 3x its forward 4 * heads * head_dim * (mean keys seen = (seq_len + 1) / 2)
-    per layer. Recomputation (remat, flash attention's backward) is not model work."""
-    attention = 3 * 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * (seq_len + 1) / 2
+    attention, 3x its forward 4 * heads * head_dim * (mean keys seen: (seq_len + 1) / 2 for a
+    whole row, `mean_keys` for packed documents) per layer. Recomputation (remat, flash
+    attention's backward) is not model work."""
+    keys = (seq_len + 1) / 2 if mean_keys is None else mean_keys
+    attention = 3 * 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim * keys
     return 6.0 * matmul_params + attention

@@ -5,9 +5,14 @@
     python examples/train_llm.py --data my.txt --steps 2000 --out-dir /tmp/run1
     python examples/train_llm.py --out-dir /tmp/run1 --resume --steps 4000
     python examples/train_llm.py --out-dir /tmp/run1 --overwrite   # discard that run, start anew
+    python examples/train_llm.py --no-pack            # windows of the stream, no segment ids
 
 What it does: byte-level data (the Python standard library's sources unless --data is
-given) packed into fixed-length windows; a Flax NNX transformer (llm_model.py) with float32
+given) whose documents (the library's files; --doc-sep cuts a user file) are packed into
+fixed-length rows with segment ids, so that attention stays inside each document (RoPE
+positions restart at each one, the loss skips targets across a boundary or in padding, and
+the fraction of padding tokens is reported); --no-pack cuts the stream into windows instead.
+A Flax NNX transformer (llm_model.py) with float32
 parameters and float32 or bfloat16 compute; AdamW with warmup and cosine decay and gradient
 clipping, in one jitted step; parameters sharded over the 'fsdp' axis and the batch over
 ('data', 'fsdp') of a device mesh, optionally the sequence over 'context' (context
@@ -95,6 +100,8 @@ class Config:
     # the rest: same defaults for every preset
     attention: str = "fa3"
     remat: bool = False
+    pack: bool = True
+    doc_sep: int | None = None
     data: str | None = None
     bin_dtype: str = "uint16"
     vocab_size: int | None = None
@@ -130,6 +137,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
     g.add_argument("--remat", action="store_true", default=None, help="recompute blocks in backward")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="text file (bytes), .npy (1-D token ids) or .bin (raw token ids)")
+    g.add_argument("--no-pack", dest="pack", action="store_false", default=None,
+                   help="cut the token stream into windows (documents back to back, no segment "
+                   "ids) instead of packing documents into rows with segment ids")
+    g.add_argument("--doc-sep", type=int, help="token id that ends a document in --data (default: "
+                   "the file is one document; the standard library's files are documents)")
     g.add_argument("--bin-dtype", help="dtype of .bin token files (default uint16)")
     g.add_argument("--vocab-size", type=int, help="for token files (default: max id + 1)")
     g.add_argument("--eval-fraction", type=float)
@@ -334,9 +346,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # ---- data
     try:
         data = llm_data.load_tokens(cfg.data, seq_len=cfg.seq_len, eval_fraction=cfg.eval_fraction,
-                                    vocab_size=cfg.vocab_size, bin_dtype=cfg.bin_dtype)
+                                    vocab_size=cfg.vocab_size, bin_dtype=cfg.bin_dtype,
+                                    doc_sep=cfg.doc_sep)
     except ValueError as err:
         parser.error(str(err))
+    packings = None
+    if cfg.pack:  # rows of seq_len + 1 tokens: inputs and targets are the two shifted slices
+        packings = {name: llm_data.pack_documents(starts, stream.size, cfg.seq_len + 1)
+                    for name, stream, starts in (("train", data.train, data.train_starts),
+                                                 ("eval", data.eval, data.eval_starts))}
+        for name, packing in packings.items():
+            if packing.num_rows == 0:
+                parser.error(f"{data.source}: the {name} split has no document of 2 or more "
+                             f"tokens to pack (see --doc-sep, or pass --no-pack)")
     if cfg.prompt is not None and not data.is_bytes:
         parser.error("--prompt needs byte-level data (text); with token files the sample "
                      "continues the first eval tokens")
@@ -382,10 +404,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     token_sharding = NamedSharding(mesh, P(("data", "fsdp"), "context"))
 
     def loss_fn(params, batch):
-        inputs, targets = (jax.lax.with_sharding_constraint(x, token_sharding)
-                           for x in (batch[:, :-1], batch[:, 1:]))
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        # batch: "tokens" (batch, seq_len + 1), and when packed "segment_ids" and "positions"
+        shifted = lambda x, start, stop: jax.lax.with_sharding_constraint(x[:, start:stop],
+                                                                           token_sharding)
+        inputs, targets = shifted(batch["tokens"], 0, -1), shifted(batch["tokens"], 1, None)
+        model = nnx.merge(graphdef, params)
+        if "segment_ids" not in batch:
+            logits = model(inputs)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        segments = shifted(batch["segment_ids"], 0, -1)
+        logits = model(inputs, segment_ids=segments, positions=shifted(batch["positions"], 0, -1))
+        # A target counts when it continues the input's document (not padding, not the next
+        # document, which the input cannot see).
+        keep = (segments == shifted(batch["segment_ids"], 1, None)) & (segments != 0)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(jnp.where(keep, losses, 0.0)) / jnp.maximum(jnp.sum(keep), 1)
 
     def train_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -400,6 +433,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # Every process builds the same global array and hands over the shards it owns
         # (a plain jnp.asarray would live on one local device only: wrong on several hosts).
         return jax.make_array_from_callback(batch.shape, sharding, lambda idx: batch[idx])
+
+    def device_batches(batch: dict[str, np.ndarray] | np.ndarray) -> dict[str, jax.Array]:
+        """A batch (the windows' array, or the packed rows' dict) on the devices, as a dict."""
+        batch = batch if isinstance(batch, dict) else {"tokens": batch}
+        return {name: device_batch(x) for name, x in batch.items()}
+
+    def train_batch(step: int) -> dict[str, jax.Array]:
+        if packings is None:
+            return device_batches(llm_data.train_batch(data, step, cfg.batch_size, cfg.seq_len,
+                                                       cfg.seed))
+        return device_batches(llm_data.packed_train_batch(data, packings["train"], step,
+                                                          cfg.batch_size, cfg.seed))
 
     # ---- checkpoints
     if lead:
@@ -442,7 +487,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # ---- bookkeeping
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    flops_per_step = llm_model.train_flops_per_token(model_cfg, n_matmul, cfg.seq_len) * tokens_per_step
+    padding = 0.0 if packings is None else packings["train"].padding_fraction
+    mean_keys = None if packings is None else packings["train"].mean_keys()
+    flops_per_step = (llm_model.train_flops_per_token(model_cfg, n_matmul, cfg.seq_len, mean_keys)
+                      * tokens_per_step)
     peak = peak_flops(jax.devices()[0])
     peak_total = peak * jax.device_count() if peak and cfg.dtype == "bfloat16" else None
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
@@ -452,8 +500,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for kind, hist in (("train", train_hist), ("eval", eval_hist)):
                 for step, loss in hist:
                     f.write(json.dumps({"kind": kind, "step": step, "loss": loss}) + "\n")
-    eval_set = [device_batch(b) for b in
-                llm_data.eval_batches(data, cfg.eval_batches, cfg.batch_size, cfg.seq_len)]
+    if packings is None:
+        eval_set = llm_data.eval_batches(data, cfg.eval_batches, cfg.batch_size, cfg.seq_len)
+    else:
+        eval_set = llm_data.packed_eval_batches(data, packings["eval"], cfg.eval_batches,
+                                                cfg.batch_size)
+    eval_set = [device_batches(b) for b in eval_set]
 
     def evaluate() -> float:
         return float(np.mean([float(eval_step(params, b)) for b in eval_set]))
@@ -471,6 +523,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"compute {cfg.dtype}, params float32")
     log(f"attention: {attention_description(cfg)}")
     log(f"data: {data.describe()}; batch {cfg.batch_size} x {cfg.seq_len} tokens")
+    if packings is None:
+        log("packing: off (--no-pack): windows of the token stream, documents back to back")
+    else:
+        train_pack = packings["train"]
+        log(f"packing: {data.train_starts.size:,} train documents into {train_pack.num_rows:,} "
+            f"rows of {cfg.seq_len + 1} tokens with segment ids; padding {padding:.3%} of tokens")
 
     # ---- train
     first_loss = last_loss = None
@@ -481,8 +539,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                disable=not (lead and cfg.progress), dynamic_ncols=True, file=sys.stderr)
     window_start, window_steps = time.perf_counter(), 0
     for step in bar:
-        batch = device_batch(llm_data.train_batch(data, step, cfg.batch_size, cfg.seq_len, cfg.seed))
-        params, opt_state, loss, grad_norm = train_step(params, opt_state, batch)
+        params, opt_state, loss, grad_norm = train_step(params, opt_state, train_batch(step))
         done = step + 1
         if step == start_step:  # compile step: wait for it, then start the clocks
             first_loss = float(loss)
@@ -534,6 +591,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preset": cfg.preset,
         "attention": cfg.attention,
         "attention_impl": attention_description(cfg),
+        "packing": cfg.pack,
+        "padding_fraction": padding,
         "steps": cfg.steps,
         "start_step": start_step,
         "initial_loss": first_loss,

@@ -1,7 +1,9 @@
 """Smoke test of examples/train_llm.py: a few steps in-process, the loss falls, the outputs
 are written where the first lines say, a rerun refuses to replace the earlier run, a resumed
-run continues from the checkpoint and --overwrite starts over. Plus its data pipeline and
-flag errors, which need no training."""
+run continues from the checkpoint and --overwrite starts over; documents are packed with
+segment ids by default (--no-pack turns it off), also with the sequence sharded over
+'context'. Plus its data pipeline (packing included) and flag errors, which need no
+training."""
 
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def test_train_resume(train_llm, tmp_path, capsys):
     assert printed[1] == f"checkpoints: {os.path.join(out, 'checkpoints')}", printed[:2]
     assert first["out_dir"] == out and first["ckpt_dir"] == os.path.join(out, "checkpoints")
     assert first["start_step"] == 0 and first["steps"] == 10
+    # Packing is the default: the log says so and gives the padding, as the summary does.
+    assert first["packing"] is True and 0.0 <= first["padding_fraction"] < 0.01, first
+    assert any(line.startswith("packing: ") and "padding" in line for line in printed), printed
     assert first["initial_loss"] > 5.0
     assert first["final_loss"] < first["initial_loss"] - 1.0, first
     assert first["eval_loss"] < first["initial_loss"] - 1.0, first
@@ -114,6 +119,32 @@ def test_train_resume(train_llm, tmp_path, capsys):
         assert max(json.loads(line)["step"] for line in f) == 5
 
 
+def test_no_pack_and_context_parallel_packing(train_llm, tmp_path, capsys):
+    """--no-pack trains on windows (no segment ids); with packing and the sequence sharded
+    over 'context' (ring attention with segment ids) the first loss equals the unsharded
+    run's (same weights, same batch) and training lowers it."""
+    common = SMALL + ["--steps", "10", "--ckpt-every", "0", "--sample-tokens", "0"]
+    windows = train_llm.main(common + ["--out-dir", str(tmp_path / "windows"), "--no-pack"])
+    assert windows["packing"] is False and windows["padding_fraction"] == 0.0
+    assert windows["final_loss"] < windows["initial_loss"] - 1.0, windows
+    assert "packing: off" in capsys.readouterr().out
+    packed = train_llm.main(common + ["--out-dir", str(tmp_path / "packed")])
+    # Under pytest the Python stacks are deep, and with full tracebacks in the HLO locations
+    # XLA:CPU's call inliner spends minutes comparing stack-frame metadata of the ring's
+    # nested calls (seen with JAX 0.10.2, packed or not; seconds outside pytest).
+    import jax
+    previous = jax.config.jax_include_full_tracebacks_in_locations
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    try:
+        context = train_llm.main(common + ["--out-dir", str(tmp_path / "context"),
+                                           "--context", "2"])
+    finally:
+        jax.config.update("jax_include_full_tracebacks_in_locations", previous)
+    assert context["packing"] is True
+    assert abs(context["initial_loss"] - packed["initial_loss"]) < 1e-4, (context, packed)
+    assert context["final_loss"] < context["initial_loss"] - 1.0, context
+
+
 def test_flag_errors(train_llm, tmp_path, capsys):
     cases = [
         (["--data", str(tmp_path / "missing.txt")], "no such file"),
@@ -158,7 +189,63 @@ def test_data_sources_and_batches(llm_data, tmp_path):
     assert sorted(epoch[:, 0]) == list(range(0, 3200, 32))
 
 
+def test_packing(llm_data, tmp_path):
+    """pack_documents: every token of every document (of 2 or more tokens) lands in exactly
+    one row, pieces never cross a document, rows hold at most row_len tokens; the rows'
+    segment ids count up from 1 with padding 0 after them, positions restart at each piece,
+    and the tokens are the documents'. Best fit: rests share rows where they fit."""
+    row = 8
+    lengths = [20, 5, 3, 1, 2, 6, 8, 4]  # 20 = two full rows + a rest of 4; 1 is dropped
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    total = int(np.sum(lengths))
+    tokens = np.arange(total, dtype=np.int32) + 1000
+    packing = llm_data.pack_documents(starts, total, row)
+    doc_of = np.repeat(np.arange(len(lengths)), lengths)
+    cover = np.zeros(total, np.int64)
+    for s, n in zip(packing.piece_start, packing.piece_len):
+        cover[s:s + n] += 1
+        assert len(set(doc_of[s:s + n])) == 1 and n <= row
+    np.testing.assert_array_equal(cover, (np.asarray(lengths) != 1)[doc_of])
+    # rests 6, 5, 4, 4, 3, 2 (and the full pieces 8, 8, 8) into rows of 8: 3 + 3 rows
+    assert packing.num_rows == 6
+    assert np.isclose(packing.padding_fraction, 1 - (total - 1) / (6 * row))
+    rows = llm_data.packed_rows(tokens, packing, np.arange(packing.num_rows))
+    for b in range(packing.num_rows):
+        seg, pos, tok = rows["segment_ids"][b], rows["positions"][b], rows["tokens"][b]
+        real = seg > 0
+        assert (np.diff(seg[real]) >= 0).all() and seg[real][0] == 1 and not seg[~real].any()
+        assert real[:real.sum()].all()  # padding only at the end
+        for sid in np.unique(seg[real]):
+            piece = seg == sid
+            np.testing.assert_array_equal(pos[piece], np.arange(piece.sum()))
+            assert (np.diff(tok[piece]) == 1).all()  # consecutive tokens of one document
+
+    # Documents of a user file end after each --doc-sep token; the split keeps them.
+    ids = np.array([5, 6, 0, 7, 8, 9, 0, 1, 2] * 40, np.int32)
+    np.save(tmp_path / "docs.npy", ids)
+    data = llm_data.load_tokens(str(tmp_path / "docs.npy"), seq_len=8, doc_sep=0,
+                                eval_fraction=0.1)
+    assert data.train_starts[0] == 0 and data.eval_starts[0] == 0
+    assert (data.train[data.train_starts[1:] - 1] == 0).all()
+    with pytest.raises(ValueError, match="doc-sep"):
+        llm_data.load_tokens(str(tmp_path / "docs.npy"), seq_len=8, doc_sep=50)
+
+    # Batches are a pure function of (seed, step), and an epoch visits every row once.
+    data = llm_data.TokenData(tokens, tokens[:10], 2000, False, "arange", starts, np.zeros(1))
+    b = llm_data.packed_train_batch(data, packing, 1, 3, seed=0)
+    assert b["tokens"].shape == (3, row) and b["segment_ids"].dtype == np.int32
+    again = llm_data.packed_train_batch(data, packing, 1, 3, seed=0)
+    for name in b:
+        np.testing.assert_array_equal(b[name], again[name])
+    epoch = np.concatenate([llm_data.packed_train_batch(data, packing, s, 3, seed=0)["tokens"]
+                            for s in range(2)])
+    assert sorted(map(tuple, epoch)) == sorted(map(tuple, rows["tokens"]))
+
+
 def test_stdlib_corpus_is_python(llm_data):
     files = llm_data.stdlib_files()
     assert len(files) > 100 and all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
+    corpus, starts = llm_data.stdlib_documents()  # one document per file
+    assert starts[0] == 0 and len(starts) <= len(files) and (np.diff(starts) > 0).all()
+    assert all(corpus[s - 2:s] == b"\n\n" for s in starts[1:50])
