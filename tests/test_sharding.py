@@ -545,3 +545,37 @@ def test_flash_attention_with_segments_under_sharded_jit():
         if "sp" in names:
             found = _collectives(grad.lower(*args).compile().as_text())
             assert "collective-permute" in found and "all-gather" not in found, found
+
+
+def test_partitioned_segments_with_kernel_bands_constants(monkeypatch):
+    """The kernel path builds document bands (`segments.kernel_bands`), whose code closes
+    over constant arrays; custom_partitioning asserts on a body with constants, so the local
+    bodies are traced inside a jit. Simulated on CPU: the core builds the bands first, as the
+    kernel path does, then runs the portable path."""
+    from jax_fa3 import segments as segments_lib
+    real_fwd, real_bwd = _core.attention_fwd, _core.attention_bwd
+
+    def with_bands(real):
+        def call(q, k, *args, segments=None, **kw):
+            out = real(q, k, *args, segments=segments, **kw)
+            if segments is not None:
+                bands, _, _ = segments_lib.kernel_bands(segments, 0, 0, q.shape[1], k.shape[1])
+                out = (out[0] + 0 * bands[0].sum().astype(out[0].dtype),) + tuple(out[1:])
+            return out
+        return call
+
+    monkeypatch.setattr(_core, "attention_fwd", with_bands(real_fwd))
+    monkeypatch.setattr(_core, "attention_bwd", with_bands(real_bwd))
+    mesh = _mesh((4,), ("data",), AxisType.Auto)
+    q, k, v, dout = _inputs(4, 16, 4, 2, seed=61)
+    opts = _opts(True)
+    seg = _segments(4, 16, 16, False, seed=62)
+    want = _fwd_bwd(_with_segments(real_fwd, seg), _with_segments(real_bwd, seg), q, k, v, dout,
+                    opts)[0]
+    qs, ks, vs, dos = _put(mesh, P("data"), q, k, v, dout)
+    seg_s = Segments(*(_put(mesh, P("data"), x)[0] for x in seg[:2]))
+    got = _fwd_bwd(_with_segments(sharding.partitioned_attention_fwd, seg_s),
+                   _with_segments(sharding.partitioned_attention_bwd, seg_s),
+                   qs, ks, vs, dos, opts)[0]
+    for label, a, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-5, err_msg=label)
