@@ -55,6 +55,7 @@ class Case:
     deterministic: bool = False
     dv: int = 0  # v's head dim (0: d)
     sinks: bool = False
+    docs: bool = False  # packed documents (segment ids with padding): the kernels' document bands
 
     @property
     def head_dim_v(self) -> int:
@@ -63,7 +64,7 @@ class Case:
     def label(self) -> str:
         opts = ["causal" if self.causal else "", f"window={self.window}" if self.window != (-1, -1) else "",
                 f"softcap={self.softcap:g}" if self.softcap else "", "deterministic" if self.deterministic else "",
-                f"dv={self.dv}" if self.dv else "", "sinks" if self.sinks else ""]
+                f"dv={self.dv}" if self.dv else "", "sinks" if self.sinks else "", "docs" if self.docs else ""]
         return (f"{self.name} {self.dtype} d={self.d} b={self.b} sq={self.sq} sk={self.sk} "
                 f"hq={self.hq} hkv={self.hkv} {' '.join(o for o in opts if o)}").rstrip()
 
@@ -99,6 +100,8 @@ def cases_for(dtype: str, d: int) -> list[Case]:
     c.append(Case("head-dim-clipped-full", dtype, d - 8, 1, 130, 300, 2, 2))
     c.append(Case("value-dim", dtype, d, 1, 300, 400, 4, 2, dv=d - 16, deterministic=True))
     c.append(Case("sinks-window", dtype, d, 2, 300, 700, 4, 2, window=(100, 0), sinks=True))
+    c.append(Case("docs-causal", dtype, d, 2, 700, 700, 4, 2, causal=True, docs=True))
+    c.append(Case("docs-softcap", dtype, d, 1, 513, 513, 4, 1, softcap=20.0, docs=True))
     if d == 192:  # MLA: q/k 192, v 128
         c.append(Case("mla", dtype, d, 1, 257, 513, 4, 1, causal=True, dv=128, sinks=True))
     return c
@@ -136,10 +139,19 @@ def run_case(c: Case) -> float:
     q, k, v = (jax.device_put(rng.standard_normal(s).astype(dt)) for s in (shape_q, shape_k, shape_v))
     w = jax.device_put(rng.standard_normal(shape_o).astype(np.float32))
     sinks = jax.device_put(rng.standard_normal(c.hq).astype(np.float32)) if c.sinks else None
+    # Documents of random lengths (some shorter than a tile, one token long) and trailing padding.
+    seg = None
+    if c.docs:
+        lengths = rng.integers(1, 200, size=(c.b, c.sq))
+        ends = np.cumsum(lengths, axis=1)
+        seg = np.stack([np.searchsorted(e, np.arange(c.sq), side="right") + 1 for e in ends])
+        seg[:, c.sq - c.sq // 8:] = 0  # padding
+        seg = jax.device_put(seg.astype(np.int32))
 
     def loss(q, k, v, sinks, w):
         out = jax_fa3.flash_attention(q, k, v, causal=c.causal, window_size=c.window, softcap=c.softcap,
-                                      deterministic=c.deterministic, sinks=sinks, implementation="cuda")
+                                      deterministic=c.deterministic, sinks=sinks, implementation="cuda",
+                                      q_segment_ids=seg)
         return (out.astype(jnp.float32) * w).sum(), out
 
     t0 = time.perf_counter()

@@ -107,6 +107,31 @@ ffi::Error attention_options(float softmax_scale, float softcap, int32_t window_
   return ffi::Error::Success();
 }
 
+// One array of the packed documents' bands (fa3/params.h DocBands): (batch, len, width) int32,
+// or (batch, 0, width) for none. *data is nullptr for none.
+ffi::Error doc_band(const char* name, ffi::Buffer<ffi::S32> x, int batch, int64_t len, int width,
+                    const int32_t** data) {
+  auto d = x.dimensions();
+  if (d.size() != 3 || d[0] != batch || d[2] != width || (d[1] != 0 && d[1] != len))
+    return invalid(std::string(name) + " must be int32 (" + std::to_string(batch) + ", " + std::to_string(len) +
+                   ", " + std::to_string(width) + ") or (" + std::to_string(batch) + ", 0, " +
+                   std::to_string(width) + ") for none, got " + dims_str(d));
+  *data = d[1] == 0 ? nullptr : x.typed_data();
+  return ffi::Error::Success();
+}
+
+int64_t band_groups(int64_t len) { return (len + kBandGroupRows - 1) / kBandGroupRows; }
+
+// The query side of the bands (both present or both none).
+ffi::Error query_bands(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> groups, const AttentionShape& s,
+                       DocBands* d) {
+  if (auto e = doc_band("q_rows", rows, s.batch, s.seqlen_q, 2, &d->q_rows); e.failure()) return e;
+  if (auto e = doc_band("q_groups", groups, s.batch, band_groups(s.seqlen_q), 4, &d->q_groups); e.failure())
+    return e;
+  if ((d->q_rows == nullptr) != (d->q_groups == nullptr)) return invalid("q_rows and q_groups come together");
+  return ffi::Error::Success();
+}
+
 ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error(ffi::ErrorCode::kInternal,
                     std::string("jax_fa3: ") + what + ": " + cudaGetErrorString(err));
@@ -121,7 +146,8 @@ ffi::Error device_sms(int* num_sms) {
 }
 
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::F32> sinks, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                   ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> q_rows, ffi::Buffer<ffi::S32> q_groups,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    ffi::Result<ffi::Buffer<ffi::S32>> workspace, float softmax_scale, float softcap,
                    int32_t window_left, int32_t window_right) {
   FwdParams p;
@@ -146,6 +172,7 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.sinks = sd[0] == 0 ? nullptr : sinks.typed_data();
+  if (auto e = query_bands(q_rows, q_groups, p.shape, &p.docs); e.failure()) return e;
   if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
     if (workspace->size_bytes() < bytes)
       return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
@@ -158,7 +185,8 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
 
 ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
                    ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-                   ffi::Buffer<ffi::F32> lse, ffi::Result<ffi::AnyBuffer> dq,
+                   ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::S32> q_rows, ffi::Buffer<ffi::S32> q_groups,
+                   ffi::Buffer<ffi::S32> k_rows, ffi::Buffer<ffi::S32> k_groups, ffi::Result<ffi::AnyBuffer> dq,
                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                    ffi::Result<ffi::Buffer<ffi::F32>> dpsum, float softmax_scale,
                    float softcap, int32_t window_left, int32_t window_right, bool deterministic) {
@@ -194,6 +222,15 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   p.dpsum = want_dpsum ? dpsum->typed_data() : nullptr;
+  if (auto e = query_bands(q_rows, q_groups, p.shape, &p.docs); e.failure()) return e;
+  if (auto e = doc_band("k_rows", k_rows, p.shape.batch, p.shape.seqlen_k, 2, &p.docs.k_rows); e.failure()) return e;
+  if (auto e = doc_band("k_groups", k_groups, p.shape.batch, band_groups(p.shape.seqlen_k), 4, &p.docs.k_groups);
+      e.failure())
+    return e;
+  if ((p.docs.q_rows == nullptr) != (p.docs.k_rows == nullptr) || (p.docs.k_rows == nullptr) != (p.docs.k_groups == nullptr))
+    return invalid("the backward takes all four document bands or none");
+  if (p.docs.present() && deterministic)
+    return invalid("the deterministic backward does not take document bands (jax_fa3 runs it on the portable path)");
   if (size_t bytes = bwd_workspace_bytes(p); bytes > 0) {
     // XLA's FFI allocator accepts alignments up to 16 (its allocations are 256-aligned anyway);
     // the backward needs 16 (TMA bulk copies, float4 atomics).
@@ -218,6 +255,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d)
         .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, dv)
         .Arg<ffi::Buffer<ffi::F32>>()              // sinks (hq) or (0): none
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_rows (b, sq, 2) or (b, 0, 2): documents
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 16), 4) or (b, 0, 4)
         .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
         .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes): tile counter
@@ -238,6 +277,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
         .Arg<ffi::AnyBuffer>()                     // dout (b, sq, hq, dv)
         .Arg<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_rows (b, sq, 2) or (b, 0, 2): documents
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 16), 4) or (b, 0, 4)
+        .Arg<ffi::Buffer<ffi::S32>>()              // k_rows (b, sk, 2) or (b, 0, 2)
+        .Arg<ffi::Buffer<ffi::S32>>()              // k_groups (b, ceil(sk / 16), 4) or (b, 0, 4)
         .Ret<ffi::AnyBuffer>()                     // dq   (b, sq, hq, d)
         .Ret<ffi::AnyBuffer>()                     // dk   (b, sk, hkv, d)
         .Ret<ffi::AnyBuffer>()                     // dv   (b, sk, hkv, dv)

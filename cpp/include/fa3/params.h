@@ -52,6 +52,32 @@ inline bool band_limits_work(const AttentionShape& s, const AttentionOptions& o)
   return int64_t(o.window_left) < reach || int64_t(o.window_right) < reach;
 }
 
+// Packed documents (segment ids, varlen; jax_fa3/segments.py builds these): which keys each
+// query row may see, as intervals, on top of the band. Four int32 arrays, or all nullptr:
+//   q_rows   (batch, seqlen_q, 2): [lo, hi), the keys query row i may see; a row that sees none
+//            is (2^30, 0), so that group minima and maxima ignore it; hi == -1 marks a row whose
+//            segment ids broke the kernels' contract (one contiguous run per id, ids increasing
+//            along the row): its out and lse are NaN, never a silently wrong answer;
+//   q_groups (batch, ceil(seqlen_q / 16), 4): per 16 rows (the last group repeats the last row)
+//            (min lo, max lo, min hi, max hi): a tile's key range and its blocks without a mask;
+//   k_rows   (batch, seqlen_k, 2) and k_groups (batch, ceil(seqlen_k / 16), 4): the same for the
+//            query rows that see key j (the relation transposed), for the backward.
+constexpr int kBandGroupRows = 16;
+
+struct DocBands {
+  const int32_t* q_rows = nullptr;
+  const int32_t* q_groups = nullptr;
+  const int32_t* k_rows = nullptr;
+  const int32_t* k_groups = nullptr;
+  bool present() const { return q_rows != nullptr; }
+};
+
+// Whether the work per query/key block varies (the band cuts, or documents do): then the kernels
+// take their banded tiles and longest-first orders.
+inline bool work_varies(const AttentionShape& s, const AttentionOptions& o, const DocBands& d) {
+  return band_limits_work(s, o) || d.present();
+}
+
 struct FwdParams {
   AttentionShape shape;
   AttentionOptions opts;
@@ -65,6 +91,7 @@ struct FwdParams {
   // takes a key whose logit (in the units of the scaled scores) is sinks[h] and whose value is
   // zero (gpt-oss). The LSE includes it; the backward needs only that LSE.
   const float* sinks = nullptr;
+  DocBands docs;  // packed documents, or none (the forward reads q_rows and q_groups)
   // Device memory of at least fwd_workspace_bytes() (0: none needed): the FFI call's workspace
   // result, so that the handler needs no scratch allocator and stays command-buffer compatible.
   void* workspace = nullptr;
@@ -88,6 +115,7 @@ struct BwdParams {
   // (batch, heads_q, seqlen_q) float32 or nullptr: receives D = rowsum(dout o out), which the
   // gradient of the attention sinks needs (jax_fa3/_ops.py).
   float* dpsum = nullptr;
+  DocBands docs;  // packed documents, or none (not with deterministic)
   // Scratch from the FFI ScratchAllocator, sized by bwd_workspace_bytes().
   void* workspace = nullptr;
   int num_sms = 0;  // multiprocessors of the device, for the main kernel's tail split (bwd_order.cuh)

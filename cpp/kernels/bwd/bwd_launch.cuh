@@ -24,7 +24,7 @@ template <class Tr>
 BwdTileOrder tile_order(const BwdParams& p) {
   const auto& s = p.shape;
   return BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
-                      bwd_order_section(s, p.opts, int(sizeof(typename Tr::Element)))};
+                      bwd_order_section(s, p.opts, int(sizeof(typename Tr::Element)), p.docs.present())};
 }
 
 // The main kernel's tail split (bwd_order.cuh BwdTailSplit) for this call: the one choice that
@@ -37,7 +37,7 @@ BwdTailSplit tail_split(const BwdParams& p) {
     return BwdTailSplit{num_tiles, 0, 1};
   } else {
     const int m_blocks = (s.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    return bwd_tail_split(num_tiles, m_blocks, s.heads_q / s.heads_kv, p.num_sms, band_limits_work(s, p.opts));
+    return bwd_tail_split(num_tiles, m_blocks, s.heads_q / s.heads_kv, p.num_sms, work_varies(s, p.opts, p.docs));
   }
 }
 
@@ -130,10 +130,12 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
       split,
       dkv_part,
       dkv_tma_store<Tr, false>(p.dk, s),
-      dkv_tma_store<Tr, true>(p.dv, s)};
-  auto kernel = [] {
+      dkv_tma_store<Tr, true>(p.dv, s),
+      DocMask::of(p.docs, s.seqlen_q, s.seqlen_k)};
+  auto kernel = [&] {
     if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
-    else return bwd_main_kernel<Tr>;
+    else if constexpr (Tr::kNoBand) return bwd_main_kernel<Tr, false>;  // never has documents
+    else return p.docs.present() ? bwd_main_kernel<Tr, true> : bwd_main_kernel<Tr, false>;
   }();
   // Per call (cheap, no sync): the attribute is per device, and a static flag would be global state.
   if (auto err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
@@ -160,7 +162,7 @@ struct TraitsTag {
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
-    if (!(p.opts.softcap > 0.f) && !band_limits_work(p.shape, p.opts)) {
+    if (!(p.opts.softcap > 0.f) && !work_varies(p.shape, p.opts, p.docs)) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }

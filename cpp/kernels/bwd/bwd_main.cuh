@@ -45,10 +45,10 @@ CUTE_DEVICE float shfl_idx_seg3(uint32_t mask, float v, int base) {
 // sub-step. The first WGMMA wait also retires the previous step's dK (kOverlapDK), whose Q stage
 // prev_stage is released there when release_prev. kAhead: the younger S^T/dP^T groups that stay
 // in flight (kSdPAhead).
-template <class Tr, int kAhead, class FragS, class CoordS, class FragK, class Release>
+template <class Tr, int kAhead, bool kDocs, class FragS, class CoordS, class FragK, class Release>
 CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
                           CoordS const& tScS, const float* lse, const float* dpsum, int ct, bool need_mask,
-                          int q0, bool release_prev, FragK& tdKrdK, Release const& release, int prev_stage) {
+                          int q0, int b, bool release_prev, FragK& tdKrdK, Release const& release, int prev_stage) {
   constexpr int kBlockMSdP = Tr::kBlockMSdP;
   // Per-query statistics of accumulator element i (column get<1>(tScS(i))). Lane L keeps columns
   // 64h + 2L, 64h + 2L + 1 (one float2 per 64 columns) and the thread that needs column
@@ -96,6 +96,7 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
   // hides it (kNoBand: the tile runs only without a band).
   auto apply_mask = [&](float& pv, int i) {
     p.band().template zero_if_masked<Tr::kNoBand>(pv, q0 + get<1>(tScS(i)), n0 + get<0>(tScS(i)));
+    if constexpr (kDocs) p.docs.zero_if_hidden(pv, b, q0 + get<1>(tScS(i)), n0 + get<0>(tScS(i)));
   };
   if constexpr (Tr::kOverlapP && !Tr::kSoftcap) {
     // Groups in flight: [dK of the previous step | dV, dK of the previous sub-step,] S^T, dP^T.
@@ -156,7 +157,7 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
 // exp2/dS math and dV(0), dK(0) under sub-step 1's (instead of dP^T alone). Costs 64 accumulator
 // registers per extra sub-step; the waits then leave the 2 (kSubM - 1) younger groups in flight
 // (kAhead).
-template <class Tr>
+template <class Tr, bool kDocs>
 CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   using Element = typename Tr::Element;
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
@@ -165,7 +166,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   cutlass::arch::warpgroup_reg_alloc<Tr::kMmaRegs>();
   auto& ss = aligned_storage<typename Tr::SharedStorage, true>(smem_raw);
   int n_block, hk, b, m_begin, m_end, slot;
-  cta_work(p, n_block, hk, b, m_begin, m_end, slot);
+  cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
   const int group = p.heads_q / p.heads_kv;
   const bool has_work = m_end > m_begin;
   int ct, wg, t_in_wg;
@@ -218,8 +219,10 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   const bool n_partial = n0 + kBlockN > p.seqlen_k;
   // kMaskRows: a sub-step of rows [q0, q_hi] of this key block needs no element mask iff
   // q0 >= iq_min && q_hi <= iq_max (n_partial included: then iq_min = 2^30).
-  int iq_min = 0, iq_max = 0;
+  // Documents narrow it (kDocs: rows outside [iq_min, iq_max] are masked).
+  int iq_min = 0, iq_max = 0x7fffffff;
   if constexpr (Tr::kMaskRows) band.interior_row_range(n0, kBlockN, iq_min, iq_max);
+  if constexpr (kDocs) p.docs.narrow_interior_rows(b, n0, min(n0 + kBlockN, p.seqlen_k) - 1, iq_min, iq_max);
 
   if (has_work) TxBar::wait(&ss.kv_full, 0);
 
@@ -250,8 +253,9 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           if constexpr (Tr::kNoBand) need_mask[sub] = n_partial;
           else if constexpr (Tr::kMaskRows)  // rows [iq_min, iq_max] are interior
             need_mask[sub] = q0 < iq_min || min(q0 + kBlockMSdP, p.seqlen_q) - 1 > iq_max;
-          else need_mask[sub] =
-              n_partial || !band.block_is_interior(q0, min(q0 + kBlockMSdP, p.seqlen_q) - 1, n0, kBlockN);
+          else need_mask[sub] = n_partial ||
+                                !band.block_is_interior(q0, min(q0 + kBlockMSdP, p.seqlen_q) - 1, n0, kBlockN) ||
+                                (kDocs && (q0 < iq_min || min(q0 + kBlockMSdP, p.seqlen_q) - 1 > iq_max));
         }
         const int stage = it % kStages;
         const uint32_t phase = (it / kStages) & 1;
@@ -284,7 +288,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           }
           const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
           const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
-          p_and_ds<Tr, kAhead>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, ct, need_mask[sub], q0,
+          p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, ct, need_mask[sub], q0, b,
                                sub == 0 && pending, tdKrdK, release, prev_stage);
           Tensor rP = make_tensor<Element>(tSrS.layout());
           convert_fragment(tSrS, rP);
@@ -362,7 +366,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
 // The producer warpgroup on 24 registers: warp 0 the producer, warp 1 the dQ writer (kDQSmem).
 // Each role derives its block range itself, inside its branch: values shared by the two branches
 // would stay live through both on 24 registers (ptxas spilled the TMA loop).
-template <class Tr>
+template <class Tr, bool kDocs>
 CUTE_DEVICE void producer_warpgroup(MainParams<Tr> const& p, char* smem_raw) {
   using Storage = typename Tr::SharedStorage;
   cutlass::arch::warpgroup_reg_dealloc<Tr::kProducerRegs>();
@@ -371,19 +375,22 @@ CUTE_DEVICE void producer_warpgroup(MainParams<Tr> const& p, char* smem_raw) {
   if (warp == 0) {
     Storage& ss = aligned_storage<Storage, false>(smem_raw);
     int n_block, hk, b, slot;
-    cta_work(p, n_block, hk, b, m_begin, m_end, slot);
+    cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
     const int group = p.heads_q / p.heads_kv;
     if (threadIdx.x == 0 && m_end > m_begin) load_kv_and_steps(p, ss, n_block, hk, b, group, m_begin, m_end);
   } else if (Tr::kDQSmem && warp == 1) {
     Storage& ss = aligned_storage<Storage, false>(smem_raw);
     int n_block, hk, b, slot;
-    cta_work(p, n_block, hk, b, m_begin, m_end, slot);
+    cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
     const int group = p.heads_q / p.heads_kv;
     if (m_end > m_begin) dq_writer(p, ss, n_block, hk, b, group, m_begin, m_end);
   }
 }
 
-template <class Tr>
+// kDocs: the copy launched for calls with documents (bwd_launch.cuh). Its own kernel, because
+// the document loads and masks in the same kernel cost the other calls registers (the hd64
+// consumer spilled 160 bytes).
+template <class Tr, bool kDocs>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     bwd_main_kernel(const __grid_constant__ MainParams<Tr> p) {
   extern __shared__ char smem_raw[];
@@ -398,8 +405,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     }
   }
   __syncthreads();
-  if (threadIdx.x / 128 == 0) producer_warpgroup(p, smem_raw);
-  else consumer(p, smem_raw);
+  if (threadIdx.x / 128 == 0) producer_warpgroup<Tr, kDocs>(p, smem_raw);
+  else consumer<Tr, kDocs>(p, smem_raw);
 }
 
 }  // namespace bwd

@@ -36,23 +36,33 @@ struct MainParams {
   // traits without kTmaDKV). launch_main's last two initializers (dkv_tma_store).
   typename DKVStore<Tr>::TmaDK tma_dk;
   typename DKVStore<Tr>::TmaDV tma_dv;
+  DocMask docs;  // packed documents, or none
 
   // The problem's band (common/mask.cuh).
   CUTE_HOST_DEVICE BandMask band() const { return BandMask{seqlen_q, seqlen_k, window_left, window_right}; }
 };
 
+// The query blocks [m_begin, m_end) that see a key of key block n_block (batch row b): the
+// band's, narrowed by the documents (kDocs: the kernel's copy for calls with documents).
+template <class Tr, bool kDocs = true>
+CUTE_DEVICE void query_blocks(MainParams<Tr> const& p, int n_block, int b, int& m_begin, int& m_end) {
+  p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+  const int n0 = n_block * Tr::kBlockN;
+  if constexpr (kDocs) p.docs.narrow_query_blocks(b, n0, min(n0 + Tr::kBlockN, p.seqlen_k) - 1, Tr::kBlockM, m_begin, m_end);
+}
+
 // This CTA's work in the main kernel: the unit (key block, kv head, batch), decoded from the 1D
 // grid in the longest-first section order (bwd_order.cuh), and its query blocks [m_begin, m_end);
 // slot >= 0 when it runs a share of a tail unit (BwdTailSplit), its dK/dV workspace slot.
 // Each role calls it after its setmaxnreg.
-template <class Tr>
+template <class Tr, bool kDocs>
 CUTE_DEVICE void cta_work(MainParams<Tr> const& p, int& n_block, int& hk, int& b, int& m_begin, int& m_end,
                           int& slot) {
   int unit = int(blockIdx.x);
   slot = -1;
   if constexpr (kTailSplitOk<Tr>) unit = p.split.unit_of(unit, slot);
   p.order.decode(unit, n_block, hk, b);
-  p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+  query_blocks<Tr, kDocs>(p, n_block, b, m_begin, m_end);
   if (slot >= 0) p.split.share(slot, m_begin, m_end);
 }
 

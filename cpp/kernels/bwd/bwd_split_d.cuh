@@ -34,9 +34,13 @@ namespace bwd {
 template <class Tr, class FragS, class CoordS>
 CUTE_DEVICE void split_d_p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
                                   CoordS const& tScS, float const (&lse_r)[2], float const (&dpsum_r)[2],
-                                  bool need_mask, int m0) {
-  // P of element i (query: its row, key: its column) = 0 where the band or the key bound hides it.
-  auto apply_mask = [&](float& pv, int i) { p.band().zero_if_masked(pv, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i))); };
+                                  bool need_mask, int m0, int b) {
+  // P of element i (query: its row, key: its column) = 0 where the band, the key bound or the
+  // documents hide it.
+  auto apply_mask = [&](float& pv, int i) {
+    p.band().zero_if_masked(pv, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)));
+    if (p.docs.present()) p.docs.zero_unless_sees(pv, b, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)));
+  };
   if constexpr (!Tr::kSoftcap) {
     // P while dP is still on the tensor cores; the mask is its own pass (boundary blocks).
     warpgroup_wait<1>();
@@ -81,7 +85,7 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   const int group = p.heads_q / p.heads_kv;
   const BandMask band = p.band();
   int m_begin, m_end;
-  band.query_block_range(n_block, kBlockN, kBlockM, m_begin, m_end);
+  query_blocks(p, n_block, b, m_begin, m_end);
   int ct, wg, t_in_wg;  // wg unused here: the thread slices take it from ct
   consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
@@ -136,6 +140,8 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
 
   const int n0 = n_block * kBlockN;
   const bool n_partial = n0 + kBlockN > p.seqlen_k;
+  int iq_min = 0, iq_max = 0x7fffffff;  // documents: only rows in [iq_min, iq_max] see every key
+  p.docs.narrow_interior_rows(b, n0, min(n0 + kBlockN, p.seqlen_k) - 1, iq_min, iq_max);
   // The accumulator rows of a thread: element i sits on row get<0>(tScS(2 * ((i / 2) % 2)))
   // (value mode (column pair, row +8, column group)).
   const int row_lo = get<0>(tScS(0)), row_hi = get<0>(tScS(2));
@@ -147,11 +153,13 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
     const int h = hk * group + hi;
     // Recomputed per query head (a few integer ops): kept live across the step loop, the range
     // spilled.
-    band.query_block_range(n_block, kBlockN, kBlockM, m_begin, m_end);
+    query_blocks(p, n_block, b, m_begin, m_end);
     for (int m = m_begin; m < m_end; ++m, ++it) {
       const int m0 = m * kBlockM;
-      const bool need_mask =
-          n_partial || !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN);
+      const bool need_mask = n_partial ||
+                             !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN) ||
+                             (p.docs.present() && m0 < iq_min) ||
+                             (p.docs.present() && min(m0 + kBlockM, p.seqlen_q) - 1 > iq_max);
       const int stage = it % kStages;
       const int buf = it % kStagesPdS;
       TxBar::wait(&ss.full[stage], (it / kStages) & 1);
@@ -166,7 +174,7 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
       const float* dpsum = ss.dpsum.data();
       const float lse_r[2] = {lse[row_lo], lse[row_hi]};
       const float dpsum_r[2] = {dpsum[row_lo], dpsum[row_hi]};
-      split_d_p_and_ds<Tr>(p, n0, tSrS, tdPrdP, tScS, lse_r, dpsum_r, need_mask, m0);
+      split_d_p_and_ds<Tr>(p, n0, tSrS, tdPrdP, tScS, lse_r, dpsum_r, need_mask, m0, b);
       {
         Tensor rP = make_tensor<Element>(tSrS.layout());
         convert_fragment(tSrS, rP);
@@ -240,7 +248,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       p.order.decode(int(blockIdx.x), n_block, hk, b);
       const int group = p.heads_q / p.heads_kv;
       int m_begin, m_end;
-      p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+      query_blocks(p, n_block, b, m_begin, m_end);
       if (m_end > m_begin)
         load_kv_and_steps_split_d(p, aligned_storage<Storage, false>(smem_raw), n_block, hk, b, group, m_begin, m_end);
     }

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "common/utils.cuh"
+#include "fa3/params.h"
 
 namespace fa3 {
 
@@ -187,6 +188,118 @@ struct BandMask {
         for (int r = 0; r < size<0>(scores); ++r) scores(r, c) = -INFINITY;
       }
     }
+  }
+};
+
+// Packed documents (segment ids, varlen; fa3/params.h DocBands): each query row's keys as an
+// interval [lo, hi) read from memory, applied on top of the band. Groups of kBandGroupRows rows
+// carry (min lo, max lo, min hi, max hi), so that a tile's block range and its blocks without a
+// mask come from a few loads; only boundary blocks read per-row intervals. The backward reads
+// the key side (each key's interval of query rows), whose rows are fixed per CTA.
+struct DocMask {
+  int2 const* q_rows = nullptr;  // (batch, seqlen_q); nullptr: no documents
+  int4 const* q_groups = nullptr;
+  int2 const* k_rows = nullptr;  // (batch, seqlen_k)
+  int4 const* k_groups = nullptr;
+  int seqlen_q = 0, seqlen_k = 0;
+
+  static DocMask of(DocBands const& d, int seqlen_q, int seqlen_k) {
+    DocMask m;
+    m.q_rows = reinterpret_cast<int2 const*>(d.q_rows);
+    m.q_groups = reinterpret_cast<int4 const*>(d.q_groups);
+    m.k_rows = reinterpret_cast<int2 const*>(d.k_rows);
+    m.k_groups = reinterpret_cast<int4 const*>(d.k_groups);
+    m.seqlen_q = seqlen_q;
+    m.seqlen_k = seqlen_k;
+    return m;
+  }
+
+  CUTE_HOST_DEVICE bool present() const { return q_rows != nullptr; }
+
+  // (min lo, max lo, min hi, max hi) over rows [lo, hi] (inclusive; rows past seqlen count as the
+  // last, as the groups have them) of one batch row.
+  CUTE_DEVICE static int4 span(int4 const* groups, int seqlen, int b, int lo, int hi) {
+    int const per_batch = (seqlen + kBandGroupRows - 1) / kBandGroupRows;
+    lo = min(lo, seqlen - 1);
+    hi = min(hi, seqlen - 1);
+    int4 const* g = groups + int64_t(b) * per_batch;
+    int4 r = __ldg(g + lo / kBandGroupRows);
+    for (int i = lo / kBandGroupRows + 1; i <= hi / kBandGroupRows; ++i) {
+      int4 const x = __ldg(g + i);
+      r = make_int4(min(r.x, x.x), max(r.y, x.y), min(r.z, x.z), max(r.w, x.w));
+    }
+    return r;
+  }
+
+  // Narrows [begin, end), blocks of width `block` on the other side, to those holding a member
+  // of some row's interval in `s` (a span()); empty as begin = end = 0.
+  CUTE_DEVICE static void narrow(int4 s, int block, int& begin, int& end) {
+    begin = max(begin, s.x / block);
+    end = min(end, (max(s.w, 0) + block - 1) / block);
+    if (end <= begin) begin = end = 0;
+  }
+
+  // Forward: key blocks of query rows [row_lo, row_hi] of batch row b.
+  CUTE_DEVICE void narrow_key_blocks(int b, int row_lo, int row_hi, int block_n, int& n_begin, int& n_end) const {
+    if (present()) narrow(span(q_groups, seqlen_q, b, row_lo, row_hi), block_n, n_begin, n_end);
+  }
+
+  // Backward: query blocks of keys [key_lo, key_hi] of batch row b.
+  CUTE_DEVICE void narrow_query_blocks(int b, int key_lo, int key_hi, int block_m, int& m_begin, int& m_end) const {
+    if (present()) narrow(span(k_groups, seqlen_k, b, key_lo, key_hi), block_m, m_begin, m_end);
+  }
+
+  // Forward: a key block starting at n0 needs no document mask for rows [row_lo, row_hi] iff
+  // n0_lo <= n0 <= n0_hi; narrows the band's thresholds (FwdTileMask) to that.
+  CUTE_DEVICE void narrow_interior_keys(int b, int row_lo, int row_hi, int block_n, int& n0_lo, int& n0_hi) const {
+    if (!present()) return;
+    int4 const s = span(q_groups, seqlen_q, b, row_lo, row_hi);
+    n0_lo = max(n0_lo, s.y);
+    n0_hi = min(n0_hi, s.z - block_n);
+  }
+
+  // Backward: query rows [iq_min, iq_max] see every key of keys [key_lo, key_hi]; narrows the
+  // band's interior row range to that.
+  CUTE_DEVICE void narrow_interior_rows(int b, int key_lo, int key_hi, int& iq_min, int& iq_max) const {
+    if (!present()) return;
+    int4 const s = span(k_groups, seqlen_k, b, key_lo, key_hi);
+    iq_min = max(iq_min, s.y);
+    iq_max = min(iq_max, s.z - 1);
+  }
+
+  // Forward: -inf at the scores of keys outside each row's interval (the rows and columns of
+  // `scores` as in BandMask::apply). Rows past seqlen_q read the last row's interval.
+  template <class TS, class TC>
+  CUTE_DEVICE void apply(TS& scores, TC const& coord, int b, int row0, int col0) const {
+    int const base = col0 + get<1>(coord(0, 0));
+    int2 const* rows = q_rows + int64_t(b) * seqlen_q;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(scores); ++r) {
+      int2 const band = __ldg(rows + min(row0 + get<0>(coord(r, 0)), seqlen_q - 1));
+      int const lo = band.x - base, hi = band.y - base;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(scores); ++c) {
+        int const j = get<1>(coord(r, c)) - get<1>(coord(0, 0));
+        if (j < lo || j >= hi) scores(r, c) = -INFINITY;
+      }
+    }
+  }
+
+  // Whether query row i of batch row b is marked invalid (its segment ids broke the contract).
+  CUTE_DEVICE bool row_invalid(int b, int i) const {
+    return present() && __ldg(q_rows + int64_t(b) * seqlen_q + min(i, seqlen_q - 1)).y < 0;
+  }
+
+  // Backward with query rows fixed per thread (split-D): v = 0 unless query i sees key j.
+  CUTE_DEVICE void zero_unless_sees(float& v, int b, int i, int j) const {
+    int2 const band = __ldg(q_rows + int64_t(b) * seqlen_q + min(i, seqlen_q - 1));
+    if (j < band.x || j >= band.y) v = 0.f;
+  }
+
+  // Backward with keys fixed per thread: v = 0 unless query i sees key j by its documents.
+  CUTE_DEVICE void zero_if_hidden(float& v, int b, int i, int j) const {
+    int2 const band = __ldg(k_rows + int64_t(b) * seqlen_k + min(j, seqlen_k - 1));
+    if (i < band.x || i >= band.y) v = 0.f;
   }
 };
 

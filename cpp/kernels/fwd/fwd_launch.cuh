@@ -104,7 +104,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the workspace result");
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
-  return band_limits_work(fp.shape, fp.opts);
+  return work_varies(fp.shape, fp.opts, fp.docs);
 }
 
 template <typename Element, int kHeadDim>
@@ -126,7 +126,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
   Tensor mV = bshd(fp.v, s.seqlen_k, s.heads_kv, s.batch, s.head_dim_v);
   constexpr int64_t d = T::kHeadDim;  // the K and V tiles' width in shared memory
 
-  bool varying = band_limits_work(fp.shape, fp.opts);
+  bool varying = work_varies(fp.shape, fp.opts, fp.docs);
   TileScheduler sched;
   sched.num_m_blocks = (s.seqlen_q + T::kBlockM - 1) / T::kBlockM;
   sched.num_heads = s.heads_q;
@@ -155,6 +155,7 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       s.head_dim_v,
       fp.sinks,
       sched,
+      DocMask::of(fp.docs, s.seqlen_q, s.seqlen_k),
   };
   return p;
 }
@@ -234,7 +235,7 @@ template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
-  if (!band_limits_work(fp.shape, fp.opts)) {
+  if (!work_varies(fp.shape, fp.opts, fp.docs)) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
     static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
@@ -242,7 +243,8 @@ cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
       return launch_fwd<Narrow>(fp, stream);
     return launch_fwd<Full>(fp, stream);
   }
-  if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
+  // Documents bound each row's keys by their length, unknown here: the regular banded tile.
+  if (!fp.docs.present() && fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
   return launch_fwd<typename Table::banded>(fp, stream);
 }

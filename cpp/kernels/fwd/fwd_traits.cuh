@@ -109,6 +109,7 @@ struct FwdTraits {
     int head_dim_v;       // v's and out's head dim (<= kHeadDim): the O store's columns
     const float* sinks;   // (heads_q) sink logits, or nullptr (FwdParams::sinks)
     TileScheduler sched;
+    DocMask docs;         // packed documents, or none (banded kernels only)
   };
 };
 
