@@ -9,8 +9,8 @@ Masks arrive normalised: causal is window_right == 0, -1 means unbounded.
 
 Packed documents (segment ids, varlen) arrive as `bands`, the four int32 arrays of
 cpp/include/fa3/params.h's DocBands that jax_fa3/segments.py builds: q_rows (b, sq, 2), the
-[lo, hi) keys each query row may see; q_groups (b, ceil(sq / 16), 4), their (min lo, max lo,
-min hi, max hi) per 16 rows; k_rows (b, sk, 2) and k_groups (b, ceil(sk / 16), 4), the same
+[lo, hi) keys each query row may see; q_groups (b, ceil(sq / 64), 4), their (min lo, max lo,
+min hi, max hi) per 64 rows; k_rows (b, sk, 2) and k_groups (b, ceil(sk / 64), 4), the same
 for the query rows that see each key. The band (window) still applies on top.
 """
 

@@ -14,7 +14,7 @@ Two consumers:
   `visibility` / `dense_mask`;
 * the Hopper kernels take "document bands" built by `kernel_bands`: per query row the
   interval [lo, hi) of keys it may see, per key the interval of query rows that see it, and
-  per group of 16 rows (min lo, max lo, min hi, max hi). Intervals exist only under the
+  per group of 64 rows (min lo, max lo, min hi, max hi). Intervals exist only under the
   kernel contract: along each batch row every nonzero id occupies ONE contiguous run and the
   nonzero ids increase (1,1,2,2,0,0,3 is fine; 2,2,1 and 1,0,1 are not), and with positions
   they step by exactly 1 from token to token inside a run. A batch row that breaks it (on
@@ -37,7 +37,7 @@ from jax_fa3._masks import UNBOUNDED
 
 PADDING = 0  # the segment id of padding tokens
 POS_LIMIT = (1 << 29) - 1  # positions saturate to [-POS_LIMIT, POS_LIMIT]
-GROUP = 16  # rows per group summary (q_groups, k_groups)
+GROUP = 64  # rows per group summary (q_groups, k_groups; cpp/include/fa3/params.h)
 NONE_LO = UNBOUNDED  # lo of an empty interval (NONE_LO, 0): it never widens a group's range
 INVALID_HI = -1  # hi of an invalid row (NONE_LO, -1): its batch row breaks the kernel contract
 
@@ -150,7 +150,7 @@ def _intervals(mine, mine_pos, other: _Side, other_pos, below: int, above: int,
 
 
 def _groups(rows):
-    """(b, s, 2) intervals -> (b, ceil(s / 16), 4): (min lo, max lo, min hi, max hi) per 16
+    """(b, s, 2) intervals -> (b, ceil(s / 64), 4): (min lo, max lo, min hi, max hi) per 64
     rows, the rows past s replicating the last one."""
     b, s, _ = rows.shape
     g = -(-s // GROUP)
@@ -169,12 +169,12 @@ def kernel_bands(segments: Segments, left: int, right: int, seqlen_q: int, seqle
       (NONE_LO = UNBOUNDED), so it never widens a group's [min lo, max hi). A row whose
       batch row breaks the contract has (2**30, -1): hi = -1 marks it INVALID (the kernels
       write NaN out and lse).
-    * q_groups (b, ceil(sq / 16), 4): per 16 query rows (min lo, max lo, min hi, max hi);
+    * q_groups (b, ceil(sq / 64), 4): per 64 query rows (min lo, max lo, min hi, max hi);
       the rows past sq replicate the last row. min hi == -1 iff the group holds an invalid row.
     * k_rows (b, sk, 2): [lo, hi), the query rows that see key j (the same relation
       transposed: lo_i <= j < hi_i  <=>  klo_j <= i < khi_j); a key seen by none: (2**30,
       0), every key of an invalid batch row included.
-    * k_groups (b, ceil(sk / 16), 4): the same summaries of k_rows.
+    * k_groups (b, ceil(sk / 64), 4): the same summaries of k_rows.
 
     The kernels apply the row-index band (kernel_left, kernel_right) on top: it is (left,
     right) without positions, and (UNBOUNDED, UNBOUNDED) with them (the positional band is in

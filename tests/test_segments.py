@@ -109,10 +109,11 @@ def _interval_mask(rows, n_other):
 
 def _check_groups(rows, groups):
     b, s, _ = rows.shape
-    g = -(-s // 16)
+    n = segments.GROUP
+    g = -(-s // n)
     assert groups.shape == (b, g, 4)
-    padded = np.concatenate([rows, np.repeat(rows[:, -1:], g * 16 - s, axis=1)], axis=1)
-    lo, hi = padded[..., 0].reshape(b, g, 16), padded[..., 1].reshape(b, g, 16)
+    padded = np.concatenate([rows, np.repeat(rows[:, -1:], g * n - s, axis=1)], axis=1)
+    lo, hi = padded[..., 0].reshape(b, g, n), padded[..., 1].reshape(b, g, n)
     want = np.stack([lo.min(-1), lo.max(-1), hi.min(-1), hi.max(-1)], -1)
     np.testing.assert_array_equal(groups, want)
 
@@ -618,8 +619,9 @@ def test_kernel_route_passes_bands_and_window(monkeypatch, with_positions):
         q, k, v, segs)
     assert (calls[-1]["left"], calls[-1]["right"]) == (
         (UNBOUNDED, UNBOUNDED) if with_positions else (6, 0))
-    assert [x.shape for x in calls[-1]["bands"]] == [(3, 48, 2), (3, 3, 4), (3, 64, 2),
-                                                      (3, 4, 4)]
+    n = segments.GROUP
+    assert [x.shape for x in calls[-1]["bands"]] == [(3, 48, 2), (3, -(-48 // n), 4), (3, 64, 2),
+                                                      (3, -(-64 // n), 4)]
     ref_out, ref_lse = helpers.reference_f64(q[:2], k[:2], v[:2], causal=True,
                                              window_size=(6, -1), segments=tuple(
                                                  x[:2] for x in oracle_segments(ids,

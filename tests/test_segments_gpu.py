@@ -1,7 +1,7 @@
 """GPU tests of packed sequences on the kernels: segment ids, positions and varlen.
 
 The kernels take document bands (jax_fa3/segments.py `kernel_bands`: per query row the keys
-it may see, per key the query rows that see it, and their summaries per 16 rows) on top of
+it may see, per key the query rows that see it, and their summaries per 64 rows) on top of
 the band they are passed (the unbounded one with positions). Checked by the error-ratio rule
 of docs/architecture.md against the float64 oracle, whose segment mask tests/helpers.py writes
 on its own:

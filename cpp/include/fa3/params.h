@@ -58,11 +58,13 @@ inline bool band_limits_work(const AttentionShape& s, const AttentionOptions& o)
 //            is (2^30, 0), so that group minima and maxima ignore it; hi == -1 marks a row whose
 //            segment ids broke the kernels' contract (one contiguous run per id, ids increasing
 //            along the row): its out and lse are NaN, never a silently wrong answer;
-//   q_groups (batch, ceil(seqlen_q / 16), 4): per 16 rows (the last group repeats the last row)
+//   q_groups (batch, ceil(seqlen_q / 64), 4): per 64 rows (the last group repeats the last row)
 //            (min lo, max lo, min hi, max hi): a tile's key range and its blocks without a mask;
-//   k_rows   (batch, seqlen_k, 2) and k_groups (batch, ceil(seqlen_k / 16), 4): the same for the
+//   k_rows   (batch, seqlen_k, 2) and k_groups (batch, ceil(seqlen_k / 64), 4): the same for the
 //            query rows that see key j (the relation transposed), for the backward.
-constexpr int kBandGroupRows = 16;
+// 64 rows: a warpgroup's rows in the forward, half a tile (128 query rows forward, 128 keys
+// backward), so that a tile start reads two group summaries.
+constexpr int kBandGroupRows = 64;
 
 struct DocBands {
   const int32_t* q_rows = nullptr;

@@ -223,11 +223,11 @@ struct DocMask {
     lo = min(lo, seqlen - 1);
     hi = min(hi, seqlen - 1);
     int4 const* g = groups + int64_t(b) * per_batch;
-    int4 r = __ldg(g + lo / kBandGroupRows);
-    for (int i = lo / kBandGroupRows + 1; i <= hi / kBandGroupRows; ++i) {
-      int4 const x = __ldg(g + i);
-      r = make_int4(min(r.x, x.x), max(r.y, x.y), min(r.z, x.z), max(r.w, x.w));
-    }
+    int const g_lo = lo / kBandGroupRows, g_hi = hi / kBandGroupRows;
+    auto merge = [](int4 r, int4 x) { return make_int4(min(r.x, x.x), max(r.y, x.y), min(r.z, x.z), max(r.w, x.w)); };
+    // The first two groups (a 128-row tile's) load at once: a tile start waits one load latency.
+    int4 r = merge(__ldg(g + g_lo), __ldg(g + min(g_lo + 1, g_hi)));
+    for (int i = g_lo + 2; i <= g_hi; ++i) r = merge(r, __ldg(g + i));
     return r;
   }
 

@@ -31,15 +31,12 @@ struct FwdTileMask {
   int n0_1cmp;            // masked blocks from this key on take the one-compare mask
   int n0_int_lo, n0_int_hi;  // blocks whose first key lies in [lo, hi] need no mask
 
-  // Documents narrow the blocks without a mask per warp (its 16 rows: one group of intervals).
+  // Documents narrow the blocks without a mask (the warpgroup's 64 rows: one group of intervals).
   CUTE_DEVICE FwdTileMask(BandMask const& m, DocMask const& d, int b, int wrow_lo, int wrow_hi)
       : mask(m), docs(d), row_lo(wrow_lo), batch(b) {
     n0_1cmp = mask.right_bound_only_from(wrow_lo + 63);
     mask.interior_key_range(wrow_lo, wrow_hi, T::kBlockN, n0_int_lo, n0_int_hi);
-    if constexpr (T::kBanded) {
-      int const warp_lo = min(wrow_lo + 16 * ((int(threadIdx.x) % 128) / 32), wrow_hi);
-      docs.narrow_interior_keys(b, warp_lo, min(warp_lo + 15, wrow_hi), T::kBlockN, n0_int_lo, n0_int_hi);
-    }
+    if constexpr (T::kDocs) docs.narrow_interior_keys(b, wrow_lo, wrow_hi, T::kBlockN, n0_int_lo, n0_int_hi);
   }
 
   CUTE_DEVICE bool interior(int n) const { return n * T::kBlockN >= n0_int_lo && n * T::kBlockN <= n0_int_hi; }
@@ -50,7 +47,7 @@ struct FwdTileMask {
     if constexpr (T::kBanded) {
       if (n * T::kBlockN >= n0_1cmp) mask.apply_right(S, cS, row_lo, n * T::kBlockN);
       else mask.apply(S, cS, row_lo, n * T::kBlockN);
-      if (docs.present()) docs.apply(S, cS, batch, row_lo, n * T::kBlockN);
+      if constexpr (T::kDocs) docs.apply(S, cS, batch, row_lo, n * T::kBlockN);
     } else {
       mask.apply_seqlen_k(S, cS, n * T::kBlockN);
     }
@@ -199,12 +196,10 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     // O / l, LSE; then the stores.
     float inv_sum[kRows], lse[kRows];
     softmax.finalize(inv_sum, lse, sink_log2(p.sinks, tile.c.head));
-    if constexpr (T::kBanded) {
-      if (p.docs.present()) {  // rows whose segment ids broke the contract: NaN, never wrong
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) {
-          if (p.docs.row_invalid(tile.c.batch, wrow_lo + get<0>(cS(r, 0)))) inv_sum[r] = lse[r] = NAN;
-        }
+    if constexpr (T::kDocs) {  // rows whose segment ids broke the contract: NaN, never wrong
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (p.docs.row_invalid(tile.c.batch, wrow_lo + get<0>(cS(r, 0)))) inv_sum[r] = lse[r] = NAN;
       }
     }
     scale_rows(O, inv_sum);

@@ -244,7 +244,8 @@ cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
     return launch_fwd<Full>(fp, stream);
   }
   // Documents bound each row's keys by their length, unknown here: the regular banded tile.
-  if (!fp.docs.present() && fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
+  if (fp.docs.present()) return launch_fwd<FwdDocsTraits<typename Table::banded>>(fp, stream);
+  if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
   return launch_fwd<typename Table::banded>(fp, stream);
 }

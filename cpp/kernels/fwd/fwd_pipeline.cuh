@@ -73,7 +73,7 @@ CUTE_DEVICE FwdTile fwd_tile(typename T::Params const& p, int t) {
   tile.row_lo = tile.c.m_block * T::kBlockM;
   tile.row_hi = min(tile.row_lo + T::kBlockM, p.seqlen_q) - 1;
   p.mask.key_block_range(tile.row_lo, tile.row_hi, T::kBlockN, tile.n_begin, tile.n_end);
-  if constexpr (T::kBanded) p.docs.narrow_key_blocks(tile.c.batch, tile.row_lo, tile.row_hi, T::kBlockN, tile.n_begin, tile.n_end);
+  if constexpr (T::kDocs) p.docs.narrow_key_blocks(tile.c.batch, tile.row_lo, tile.row_hi, T::kBlockN, tile.n_begin, tile.n_end);
   tile.buf = 0;
   return tile;
 }

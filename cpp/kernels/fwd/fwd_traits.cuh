@@ -26,6 +26,8 @@ struct FwdTraits {
   // false: the caller guarantees the band does not cut into the key range (both sides reach
   // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
   static constexpr bool kBanded = kBanded_;
+  // Packed documents (Params::docs): only FwdDocsTraits below compiles them in.
+  static constexpr bool kDocs = false;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
@@ -109,8 +111,16 @@ struct FwdTraits {
     int head_dim_v;       // v's and out's head dim (<= kHeadDim): the O store's columns
     const float* sinks;   // (heads_q) sink logits, or nullptr (FwdParams::sinks)
     TileScheduler sched;
-    DocMask docs;         // packed documents, or none (banded kernels only)
+    DocMask docs;         // packed documents (kDocs kernels only)
   };
+};
+
+// A banded tile's traits for calls with packed documents (fwd_launch.cuh): a kernel of its own,
+// so that the document loads and masks cost the calls without documents nothing.
+template <class T>
+struct FwdDocsTraits : T {
+  static_assert(T::kBanded, "documents need the band mask code");
+  static constexpr bool kDocs = true;
 };
 
 }  // namespace fa3
