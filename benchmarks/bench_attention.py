@@ -200,26 +200,46 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
                   f"unsupported ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
                   flush=True)
             continue
-        nonfinite = int(result.size - jnp.isfinite(result).sum())
-        if nonfinite:  # wrong on its own; never the yardstick for the others
-            rec.update(nonfinite=nonfinite, suspect=True)
-            print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite values: its "
-                  f"time is not a valid figure", flush=True)
-        elif impl == "jax_fa3_sinks":  # another function (the sinks change it): nothing to match
-            rec["rel_err"] = "not compared: sinks change the result"
-        elif reference is None:
-            reference = (impl, result)
+        if impl == "jax_fa3_sinks" and bool(jnp.isfinite(result).all()):
+            rec["rel_err"] = "not compared: sinks change the result"  # another function
         else:
-            err = relative_error(result, reference[1])
-            rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
-            if not err < args.max_rel_err:  # a wrong result's speed means nothing
-                rec["suspect"] = True
-                print(f"  WARNING {impl} {direction} differs from {reference[0]} by {err:.3g} "
-                      f"(relative): its time is not a valid figure", flush=True)
+            reference = check_result(rec, direction, result, reference, args.max_rel_err)
         del result
         ready.append((rec, run, n))
+    for rec, ms in time_rounds(ready, args.repeats, flops):
+        print(f"  {rec['impl']:8s} {direction} hd{hd_label(rec)} s{seqlen:5d} b{point['batch']:2d} "
+              f"h{point['heads']:2d} causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s",
+              flush=True)
+    return [rec for rec, _, _ in ready]
+
+
+def check_result(rec: dict, direction: str, result, reference, max_rel_err: float):
+    """Marks rec["suspect"] when `result` holds non-finite values or differs from
+    `reference` = (impl, result) by max_rel_err or more (a wrong result's speed means nothing);
+    returns the reference, which the first finite result becomes."""
+    impl = rec["impl"]
+    nonfinite = int(result.size - jnp.isfinite(result).sum())
+    if nonfinite:  # wrong on its own; never the yardstick for the others
+        rec.update(nonfinite=nonfinite, suspect=True)
+        print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite values: its "
+              f"time is not a valid figure", flush=True)
+        return reference
+    if reference is None:
+        return impl, result
+    err = relative_error(result, reference[1])
+    rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
+    if not err < max_rel_err:
+        rec["suspect"] = True
+        print(f"  WARNING {impl} {direction} differs from {reference[0]} by {err:.3g} "
+              f"(relative): its time is not a valid figure", flush=True)
+    return reference
+
+
+def time_rounds(ready, repeats: int, flops: float):
+    """Times each (record, run, n) of `ready` in `repeats` rounds and fills its record's ms
+    (median), tflops and ms_rounds; yields (record, ms)."""
     samples = [[] for _ in ready]
-    for r in range(args.repeats):
+    for r in range(repeats):
         # Round r starts at implementation r (A B C, B C A, C A B, ...): the card slows as it heats
         # within a point, so a fixed order would always hand the coolest slot to the first one.
         for j in range(len(ready)):
@@ -230,10 +250,7 @@ def time_point(args, point: dict, q, k, v) -> list[dict]:
         ms = statistics.median(times)
         rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
                    ms_rounds=[round(t, 4) for t in times])
-        print(f"  {rec['impl']:8s} {direction} hd{hd_label(rec)} s{seqlen:5d} b{point['batch']:2d} "
-              f"h{point['heads']:2d} causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s",
-              flush=True)
-    return [rec for rec, _, _ in ready]
+        yield rec, ms
 
 
 def run_grid(args) -> list[dict]:
@@ -290,9 +307,9 @@ def markdown(records: list[dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def spread_note(records: list[dict]) -> str:
+def spread_note(records: list[dict], point=lambda r: f"s{r['seqlen']}") -> str:
     """How far the rounds of one implementation at one point were apart (slowest / fastest - 1):
-    the noise a ratio in the table has to beat."""
+    the noise a ratio in the table has to beat. `point(record)` names a point's shape."""
     spreads = sorted(((max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1, r) for r in records
                       if len(r.get("ms_rounds", ())) > 1 and min(r["ms_rounds"]) > 0),
                      key=lambda pair: pair[0])
@@ -302,7 +319,7 @@ def spread_note(records: list[dict]) -> str:
     worst, r = spreads[-1]
     return (f"Spread between rounds (slowest / fastest - 1, per implementation and point): median "
             f"{median:.1%}, largest {worst:.1%} ({r['impl']} {r['direction']} hd{r['head_dim']} "
-            f"s{r['seqlen']} causal={int(r['causal'])}).")
+            f"{point(r)} causal={int(r['causal'])}).")
 
 
 def plot(records: list[dict], path: Path) -> None:

@@ -56,7 +56,6 @@ import argparse
 import datetime as dt
 import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -66,7 +65,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (calibrate, cuda_version, gpu_name, make_loop,  # noqa: E402
-                             relative_error, sample_ms, unmasked_pairs)
+                             check_result, spread_note, time_rounds, unmasked_pairs)
 
 IMPLS = ("packed", "varlen", "dense", "fa3_varlen", "cudnn_mask", "cudnn_seqlens")
 DONE_WHEN = dict(dense_max=1.1, fa3_min=1.05, cudnn_mask_min=3.0)  # issue 27, 8 x 2k
@@ -276,32 +275,10 @@ def time_point(args, point: dict, layout: Layout, data, dout) -> list[dict]:
             print(f"  {impl:13s} {direction} hd{head_dim} {layout.name} causal={int(causal)}: "
                   f"unsupported ({rec['unsupported'][:160]})", flush=True)
             continue
-        nonfinite = int(result.size - jnp.isfinite(result).sum())
-        if nonfinite:  # wrong on its own; never the yardstick for the others
-            rec.update(nonfinite=nonfinite, suspect=True)
-            print(f"  WARNING {impl} {direction} returned {nonfinite} non-finite values: its "
-                  f"time is not a valid figure", flush=True)
-        elif reference is None:
-            reference = (impl, result)
-        else:
-            err = relative_error(result, reference[1])
-            rec[f"rel_err_vs_{reference[0]}"] = float(f"{err:.3g}")
-            if not err < args.max_rel_err:
-                rec["suspect"] = True
-                print(f"  WARNING {impl} {direction} differs from {reference[0]} by {err:.3g} "
-                      f"(relative): its time is not a valid figure", flush=True)
+        reference = check_result(rec, direction, result, reference, args.max_rel_err)
         del result
         ready.append((rec, run, n))
-    samples = [[] for _ in ready]
-    for r in range(args.repeats):
-        for j in range(len(ready)):  # round r starts at implementation r (as bench_attention)
-            i = (r + j) % len(ready)
-            _, run, n = ready[i]
-            samples[i].append(sample_ms(run, n))
-    for (rec, _, _), times in zip(ready, samples):
-        ms = statistics.median(times)
-        rec.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1),
-                   ms_rounds=[round(t, 4) for t in times])
+    for rec, ms in time_rounds(ready, args.repeats, flops):
         print(f"  {rec['impl']:13s} {direction} hd{head_dim} {layout.name:7s} "
               f"causal={int(causal)}: {ms:8.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)
     return records
@@ -378,19 +355,6 @@ def done_when(records: list[dict], layout_name: str = "8x2k") -> list[dict]:
     return checks
 
 
-def spread_note(records: list[dict]) -> str:
-    spreads = sorted(((max(r["ms_rounds"]) / min(r["ms_rounds"]) - 1, r) for r in records
-                      if len(r.get("ms_rounds", ())) > 1 and min(r["ms_rounds"]) > 0),
-                     key=lambda pair: pair[0])
-    if not spreads:
-        return "Spread between rounds: not recorded."
-    median = statistics.median(s for s, _ in spreads)
-    worst, r = spreads[-1]
-    return (f"Spread between rounds (slowest / fastest - 1, per implementation and point): median "
-            f"{median:.1%}, largest {worst:.1%} ({r['impl']} {r['direction']} hd{r['head_dim']} "
-            f"{r['layout']} causal={int(r['causal'])}).")
-
-
 def _fmt_ratio(x, suffix=""):
     return "-" if x is None else f"{x:.2f}{suffix}"
 
@@ -447,7 +411,7 @@ def markdown(records: list[dict], layouts: list[dict], header: str) -> str:
     notes = sorted({(r["impl"], r["note"]) for r in records if "note" in r})
     for impl, note in notes:
         lines.append(f"- {impl}: {note}")
-    lines += ["", spread_note(records)]
+    lines += ["", spread_note(records, point=lambda r: r["layout"])]
     return "\n".join(lines) + "\n"
 
 

@@ -70,6 +70,12 @@ def skip_unless_kernel(direction, dtype, head_dim, head_dim_v=None):
         pytest.skip(reason)
 
 
+def skip_unless_kernels(dtype, head_dim, head_dim_v=None, directions=("fwd", "bwd")):
+    """skip_unless_kernel for each of `directions`."""
+    for direction in directions:
+        skip_unless_kernel(direction, dtype, head_dim, head_dim_v)
+
+
 def random_qkv(key, batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, scale=1.0,
                head_dim_v=None):
     """Fresh standard-normal (q, k, v) in `dtype`; q is multiplied by `scale`, so logits
@@ -96,6 +102,14 @@ def random_like(key, x, scale=1.0):
     """Standard-normal array with the shape and dtype of `x` (e.g. an output cotangent)."""
     values = _rng(key).standard_normal(tuple(x.shape), np.float32) * scale
     return jnp.asarray(values.astype(jnp.dtype(x.dtype)))
+
+
+def poison_heap(*arrays):
+    """Allocate and free NaN buffers the size of `arrays` (a kernel's outputs), so that elements
+    a kernel leaves unwritten would likely surface as NaN."""
+    junk = [jnp.full(a.shape, jnp.nan, a.dtype) for a in arrays]
+    jax.block_until_ready(junk)
+    del junk
 
 
 def poison_like(x):

@@ -40,14 +40,8 @@ def _first_compiled(dtype=jnp.bfloat16):
     pytest.skip(f"no backward kernel compiled for {jnp.dtype(dtype).name}")
 
 
-def _poison(*arrays):
-    junk = [jnp.full(a.shape, jnp.nan, a.dtype) for a in arrays]
-    jax.block_until_ready(junk)
-    del junk
-
-
 def _kernel_bwd(q, k, v, out, lse, dout, left, right, softcap, scale, deterministic=False):
-    _poison(q, k, v)
+    helpers.poison_heap(q, k, v)
     grads = _ops.bwd(q, k, v, out, lse, dout, softmax_scale=scale, softcap=softcap,
                      window_left=left, window_right=right, deterministic=deterministic)
     return jax.device_get(grads)

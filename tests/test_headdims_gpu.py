@@ -32,19 +32,6 @@ EVERY_HEAD_DIM = tuple(range(8, 257, 8))
 ROUNDED_UP = (40, 80, 112, 160, 224)
 
 
-def _need(dtype, head_dim, head_dim_v=None, directions=("fwd", "bwd")):
-    for direction in directions:
-        helpers.skip_unless_kernel(direction, dtype, head_dim, head_dim_v)
-
-
-def _poison(*arrays):
-    """Allocate and free NaN buffers the size of the outputs, so that elements a kernel
-    leaves unwritten would likely surface as NaN."""
-    junk = [jnp.full(a.shape, jnp.nan, a.dtype) for a in arrays]
-    jax.block_until_ready(junk)
-    del junk
-
-
 def _oracle_residuals(q, k, v, dtype, **opts):
     """The oracle's out (rounded to `dtype`, as a forward would store it) and lse (float32):
     the backward's inputs, so that the backward is checked on its own."""
@@ -58,13 +45,13 @@ def _check_ops(b, sq, sk, hq, hkv, d, dv, dtype, *, left=UNB, right=UNB, softcap
     """_ops.fwd and _ops.bwd of one shape against the oracle: out (v's head dim, q's dtype)
     and lse, then dq, dk, dv (their shapes and dtypes those of q, k, v); rows that see no
     key give out 0 exactly. Deterministic: a second backward is bitwise equal."""
-    _need(dtype, d, dv)
+    helpers.skip_unless_kernels(dtype, d, dv)
     q, k, v = helpers.random_qkv(_next_key(), b, sq, sk, hq, hkv, d, dtype, scale=logit_scale,
                                  head_dim_v=dv)
     opts = dict(left=left, right=right, softcap=softcap)
     attrs = dict(softmax_scale=1.0 / np.sqrt(d), softcap=softcap, window_left=left,
                  window_right=right)
-    _poison(jnp.zeros((b, sq, hq, dv), dtype))
+    helpers.poison_heap(jnp.zeros((b, sq, hq, dv), dtype))
     out, lse = jax.device_get(_ops.fwd(q, k, v, **attrs))
     assert out.shape == (b, sq, hq, dv) and out.dtype == dtype
     assert lse.shape == (b, hq, sq) and lse.dtype == np.float32
@@ -77,7 +64,7 @@ def _check_ops(b, sq, sk, hq, hkv, d, dv, dtype, *, left=UNB, right=UNB, softcap
     dout = helpers.random_like(_next_key(), out_in)
 
     def backward():
-        _poison(q, k, v)
+        helpers.poison_heap(q, k, v)
         return jax.device_get(_ops.bwd(q, k, v, out_in, lse_in, dout,
                                        deterministic=deterministic, **attrs))
 
@@ -158,7 +145,7 @@ def _programs_use_the_kernels(f, *args):
 def test_flash_attention_grad(d, dv):
     """flash_attention(implementation="cuda") under jax.jit(jax.vjp): out, lse, dq, dk, dv
     by the error-ratio rule, with GQA, causal and seqlen_q != seqlen_k."""
-    _need(BF16, d, dv)
+    helpers.skip_unless_kernels(BF16, d, dv)
     q, k, v = helpers.random_qkv(_next_key(), 2, 257, 300, 8, 2, d, BF16, head_dim_v=dv)
     dout = helpers.random_like(_next_key(), jnp.zeros((2, 257, 8, dv), BF16))
 
@@ -178,7 +165,7 @@ def test_flash_attention_grad(d, dv):
 def test_rounded_up_head_dim_is_the_kernel_not_the_portable_path():
     """implementation=None takes the kernel for an uncompiled head dim that rounds up (the
     issue's report: head dim 80 fell back to the portable path)."""
-    _need(BF16, 80)
+    helpers.skip_unless_kernels(BF16, 80)
     q, k, v = helpers.random_qkv(_next_key(), 1, 64, 64, 2, 2, 80, BF16)
     loss = lambda q, k, v: flash_attention(q, k, v, causal=True).astype(jnp.float32).sum()
     _programs_use_the_kernels(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v)

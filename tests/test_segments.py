@@ -16,14 +16,13 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import helpers
+from segment_helpers import random_packed
 from helpers import check_against_oracle, random_like, random_qkv, random_sinks
 from jax_fa3 import _core, _ops, flash_attention, flash_attention_varlen, portable, segments
 from jax_fa3._masks import UNBOUNDED, band
@@ -35,52 +34,11 @@ NONE = (UNBOUNDED, 0)  # an empty interval
 
 # ----------------------------------------------------------------------------- inputs
 
-def packed_side(rng, seqlen, doc_ids, *, pad_prob=0.3, max_len=None, empty_prob=0.15,
-                one_prob=0.15, positions="restart"):
-    """(ids, positions) of one batch row of `seqlen` tokens holding the documents `doc_ids`
-    (increasing) in order, each a run of random length (0 with `empty_prob`: an empty
-    segment; 1 with `one_prob`), padding runs between some of them and at the end. Positions
-    step by 1 inside a run, starting at 0 ("restart") or at a random offset ("offset")."""
-    ids = np.zeros(seqlen, np.int64)
-    pos = np.zeros(seqlen, np.int64)
-    t = 0
-    mean = max(1, seqlen // max(1, len(doc_ids)))
-    for doc in doc_ids:
-        if rng.random() < pad_prob:
-            t += int(rng.integers(1, 4))
-        u = rng.random()
-        n = 0 if u < empty_prob else 1 if u < empty_prob + one_prob else int(
-            rng.integers(1, 2 * mean + 1))
-        if max_len is not None:
-            n = min(n, max_len)
-        n = max(0, min(n, seqlen - t))
-        ids[t:t + n] = doc
-        start = 0 if positions == "restart" else int(rng.integers(-5, 40))
-        pos[t:t + n] = start + np.arange(n)
-        t += n
-    return ids.astype(np.int32), pos.astype(np.int32)
-
-
-def packed(seed, batch, seqlen_q, seqlen_k=None, docs=4, *, all_padding_rows=(), shared=None,
-           positions="restart", **kw):
-    """(q_ids, kv_ids, q_pos, kv_pos) numpy (batch, seqlen) arrays that keep the kernel
-    contract; ids drawn with gaps (1, 2, 5, ...). `shared` (default: seqlen_k is None):
-    the keys are the queries (self-attention)."""
-    rng = np.random.default_rng(seed)
-    shared = seqlen_k is None if shared is None else shared
-    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    out = [np.zeros((batch, s), np.int32) for s in (seqlen_q, seqlen_k, seqlen_q, seqlen_k)]
-    for r in range(batch):
-        if r in all_padding_rows:
-            continue
-        doc_ids = np.cumsum(rng.integers(1, 3, size=docs))
-        out[0][r], out[2][r] = packed_side(rng, seqlen_q, doc_ids, positions=positions, **kw)
-        if shared:
-            out[1][r], out[3][r] = out[0][r], out[2][r]
-        else:
-            out[1][r], out[3][r] = packed_side(rng, seqlen_k, doc_ids, positions=positions,
-                                               **kw)
-    return tuple(out)
+def packed(seed, batch, seqlen_q, seqlen_k=None, docs=4, *, positions="restart", **kw):
+    """segment_helpers.random_packed; positions "restart" at 0 per document or start at a
+    random "offset"."""
+    return random_packed(seed, batch, seqlen_q, seqlen_k, docs,
+                         offset=None if positions == "restart" else (-5, 40), **kw)
 
 
 def as_segments(ids, with_positions):

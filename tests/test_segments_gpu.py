@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 import helpers
+from segment_helpers import random_packed
 from jax_fa3 import _ffi, _ops, flash_attention, flash_attention_varlen, portable
 from jax_fa3._masks import UNBOUNDED as UNB
 from jax_fa3.segments import Segments, kernel_bands
@@ -43,58 +44,14 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 _next_key = helpers.key_stream(27_2026_1203)
 
 
-def _need(dtype, head_dim, head_dim_v=None, directions=("fwd", "bwd")):
-    for direction in directions:
-        helpers.skip_unless_kernel(direction, dtype, head_dim, head_dim_v)
-
-
-def _poison(*arrays):
-    """Allocate and free NaN buffers the size of the outputs, so that elements a kernel
-    leaves unwritten would likely surface as NaN."""
-    junk = [jnp.full(a.shape, jnp.nan, a.dtype) for a in arrays]
-    jax.block_until_ready(junk)
-    del junk
-
-
 # ----------------------------------------------------------------------------- inputs
 
-def _side(rng, seqlen, doc_ids, *, pad_prob, empty_prob, one_prob, max_len, offset):
-    """(ids, positions) of one batch row: the documents in order, runs of random lengths (0:
-    an empty segment; 1: a one-token document), padding between some and after the last;
-    positions step by 1 inside a run from 0 (or a random start with `offset`)."""
-    ids = np.zeros(seqlen, np.int32)
-    pos = np.zeros(seqlen, np.int32)
-    t, mean = 0, max(1, seqlen // max(1, len(doc_ids)))
-    for doc in doc_ids:
-        if rng.random() < pad_prob:
-            t += int(rng.integers(1, 20))
-        u = rng.random()
-        n = 0 if u < empty_prob else 1 if u < empty_prob + one_prob else int(
-            rng.integers(2, 2 * mean + 1))
-        n = max(0, min(n, max_len, seqlen - t))
-        ids[t:t + n] = doc
-        pos[t:t + n] = (int(rng.integers(-20, 60)) if offset else 0) + np.arange(n)
-        t += n
-    return ids, pos
-
-
-def packed(seed, b, sq, sk=None, docs=8, *, all_padding_rows=(), pad_prob=0.3,
-           empty_prob=0.1, one_prob=0.1, max_len=1 << 20, offset=False):
-    """(q_ids, kv_ids, q_pos, kv_pos) numpy (b, seqlen) int32 keeping the kernel contract;
-    ids increase with gaps; sk None: self-attention (the keys' arrays are the queries')."""
-    rng = np.random.default_rng(seed)
-    shared, sk = sk is None, sq if sk is None else sk
-    out = [np.zeros((b, s), np.int32) for s in (sq, sk, sq, sk)]
-    kw = dict(pad_prob=pad_prob, empty_prob=empty_prob, one_prob=one_prob, max_len=max_len,
-              offset=offset)
-    for r in range(b):
-        if r in all_padding_rows:
-            continue
-        doc_ids = np.cumsum(rng.integers(1, 3, size=docs))
-        out[0][r], out[2][r] = _side(rng, sq, doc_ids, **kw)
-        out[1][r], out[3][r] = ((out[0][r], out[2][r]) if shared
-                                else _side(rng, sk, doc_ids, **kw))
-    return tuple(out)
+def packed(seed, b, sq, sk=None, docs=8, *, offset=False, **kw):
+    """segment_helpers.random_packed with longer padding runs and documents (a random
+    position offset with `offset`)."""
+    gen = dict(empty_prob=0.1, one_prob=0.1, pad_gap=(1, 20), min_len=2,
+               offset=(-20, 60) if offset else None)
+    return random_packed(seed, b, sq, sk, docs, **{**gen, **kw})
 
 
 def _segments(ids, positions):
@@ -157,11 +114,11 @@ def _case(name):
 def test_forward_with_bands(name):
     ids, positions, q, k, v, sinks, oracle = _case(name)
     d, dv = q.shape[-1], v.shape[-1]
-    _need(q.dtype, d, dv, directions=("fwd",))
+    helpers.skip_unless_kernels(q.dtype, d, dv, directions=("fwd",))
     b, sq, hq = q.shape[:3]
     bands, kl, kr = _bands(_segments(ids, positions), oracle["left"], oracle["right"], sq,
                            k.shape[1])
-    _poison(jnp.zeros((b, sq, hq, dv), q.dtype))
+    helpers.poison_heap(jnp.zeros((b, sq, hq, dv), q.dtype))
     out, lse = jax.device_get(_ops.fwd(q, k, v, sinks, bands,
                                        **_attrs(d, kl, kr, oracle["softcap"])))
     assert out.shape == (b, sq, hq, dv) and out.dtype == q.dtype and lse.dtype == np.float32
@@ -182,14 +139,14 @@ def test_backward_with_bands(name):
     rows and keys get exactly zero gradients."""
     ids, positions, q, k, v, sinks, oracle = _case(name)
     d, dv = q.shape[-1], v.shape[-1]
-    _need(q.dtype, d, dv, directions=("bwd",))
+    helpers.skip_unless_kernels(q.dtype, d, dv, directions=("bwd",))
     bands, kl, kr = _bands(_segments(ids, positions), oracle["left"], oracle["right"],
                            q.shape[1], k.shape[1])
     out64, lse64 = helpers.reference_f64(q, k, v, sinks=sinks, **oracle)
     out = jnp.asarray(np.asarray(out64, np.float32)).astype(q.dtype)
     lse = jnp.asarray(np.asarray(lse64, np.float32))
     dout = helpers.random_like(_next_key(), out)
-    _poison(q, k, v)
+    helpers.poison_heap(q, k, v)
     dq, dk, dv_, dpsum = jax.device_get(_ops.bwd(
         q, k, v, out, lse, dout, bands, deterministic=False, return_dpsum=True,
         **_attrs(d, kl, kr, oracle["softcap"])))
@@ -237,7 +194,7 @@ PUBLIC = {  # name: (b, s, hq, hkv, d, dtype, docs, positions, sinks, options)
 @pytest.mark.parametrize("name", list(PUBLIC))
 def test_flash_attention_with_segment_ids(name):
     b, s, hq, hkv, d, dtype, docs, positions, with_sinks, opts = PUBLIC[name]
-    _need(dtype, d)
+    helpers.skip_unless_kernels(dtype, d)
     ids = packed(zlib.crc32(name.encode()) % 1000, b, s, None, docs, all_padding_rows=(1,) if b > 1 else ())
     q, k, v = helpers.random_qkv(_next_key(), b, s, s, hq, hkv, d, dtype)
     sinks = helpers.random_sinks(_next_key(), hq) if with_sinks else None
@@ -259,7 +216,7 @@ def test_varlen(opts):
     """flash_attention_varlen on the kernels: sequences of ragged lengths (query lengths !=
     key lengths, an empty one, a one-token one, padding after the last), GQA, against the
     oracle of the packed row (each sequence bottom-right aligned)."""
-    _need(BF16, 128)
+    helpers.skip_unless_kernels(BF16, 128)
     lengths_q = [300, 0, 1, 129, 500, 64]
     lengths_k = [280, 17, 1, 400, 500, 0]
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
@@ -293,7 +250,7 @@ def test_varlen(opts):
 def test_deterministic_backward_with_segments():
     """deterministic=True with segments: the kernel forward and the portable backward (the
     deterministic kernel backward takes no bands), right and bitwise repeatable."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     ids = packed(5, 2, 700, None, 9)
     q, k, v = helpers.random_qkv(_next_key(), 2, 700, 700, 4, 2, 128, BF16)
     dout = helpers.random_like(_next_key(), q)
@@ -315,7 +272,7 @@ def test_deterministic_backward_with_segments():
 def test_contract_violation_gives_nan_rows():
     """A batch row whose ids break the contract (an id in two runs) is NaN, out and lse; the
     other batch rows are right."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     ids = packed(6, 3, 300, None, 5, pad_prob=0.0, empty_prob=0.0)
     q_ids = ids[0].copy()
     q_ids[1, 10:14] = [1, 2, 1, 2]
@@ -332,7 +289,7 @@ def test_contract_violation_gives_nan_rows():
 def test_vmap_folds_into_one_kernel_call():
     """vmap over q, k, v and the ids: one forward kernel call in the program (the batching
     rule folds the bands' leading axes too), equal to the per-element calls."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     ids = np.stack([packed(7 + i, 2, 256, None, 4)[0] for i in range(3)])
     q, k, v = (x.reshape(3, 2, 256, 4, 128) for x in
                helpers.random_qkv(_next_key(), 6, 256, 256, 4, 4, 128, BF16))
@@ -350,7 +307,7 @@ def test_vmap_folds_into_one_kernel_call():
 def test_segments_change_the_result():
     """A test that cannot fail is a defect: packing changes the kernel's output by far more
     than the rounding (the checks above see the documents)."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     ids = packed(8, 1, 512, None, 8, pad_prob=0.0, empty_prob=0.0, one_prob=0.0)
     q, k, v = helpers.random_qkv(_next_key(), 1, 512, 512, 4, 2, 128, BF16)
     with_ids = np.asarray(flash_attention(q, k, v, causal=True, q_segment_ids=ids[0],

@@ -29,11 +29,6 @@ BF16, F16 = jnp.bfloat16, jnp.float16
 _next_key = helpers.key_stream(26_2026_1209)
 
 
-def _need(dtype, head_dim, head_dim_v=None, directions=("fwd", "bwd")):
-    for direction in directions:
-        helpers.skip_unless_kernel(direction, dtype, head_dim, head_dim_v)
-
-
 def _attrs(d, left, right, softcap):
     return dict(softmax_scale=1.0 / np.sqrt(d), softcap=softcap, window_left=left,
                 window_right=right)
@@ -62,7 +57,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_forward_with_sinks(name):
     b, sq, sk, hq, hkv, d, dv, dtype, left, right, softcap, scale = CASES[name]
-    _need(dtype, d, dv, directions=("fwd",))
+    helpers.skip_unless_kernels(dtype, d, dv, directions=("fwd",))
     q, k, v, sinks = _inputs(b, sq, sk, hq, hkv, d, dv, dtype, scale)
     out, lse = jax.device_get(_ops.fwd(q, k, v, sinks, **_attrs(d, left, right, softcap)))
     assert out.shape == (b, sq, hq, dv) and out.dtype == dtype and lse.dtype == np.float32
@@ -83,7 +78,7 @@ def test_backward_with_sinks(name, deterministic):
     """dq, dk, dv given the oracle's sink-including out and lse, and D (with the dsinks the
     core forms from it); deterministic: a second call is bitwise equal."""
     b, sq, sk, hq, hkv, d, dv, dtype, left, right, softcap, scale = CASES[name]
-    _need(dtype, d, dv, directions=("bwd",))
+    helpers.skip_unless_kernels(dtype, d, dv, directions=("bwd",))
     q, k, v, sinks = _inputs(b, sq, sk, hq, hkv, d, dv, dtype, scale)
     opts = dict(left=left, right=right, softcap=softcap)
     out64, lse64 = helpers.reference_f64(q, k, v, sinks=sinks, **opts)
@@ -155,7 +150,7 @@ def test_sinks_gradient_through_the_api(name):
     """out, lse, dq, dk, dv and dsinks of flash_attention(..., sinks) on the kernels against
     the oracle's exact float64 values (dsinks = sum over rows of p0 * (dlse - D))."""
     b, sq, sk, hq, hkv, d, dv, dtype, opts = PUBLIC[name]
-    _need(dtype, d, dv)
+    helpers.skip_unless_kernels(dtype, d, dv)
     q, k, v, sinks = _inputs(b, sq, sk, hq, hkv, d, dv, dtype)
     dout = helpers.random_like(_next_key(), jnp.zeros((b, sq, hq, dv), dtype))
     out, lse, grads = _flash_vjp(q, k, v, sinks, dout, None, **opts)
@@ -168,7 +163,7 @@ def test_sinks_gradient_through_the_api(name):
 def test_sinks_gradient_with_an_lse_cotangent():
     """Differentiating through lse too: the portable backward runs after the kernel forward,
     and dsinks gains sum p0 * dlse; all by the error-ratio rule with the oracle's dlse."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     q, k, v, sinks = _inputs(1, 257, 300, 4, 2, 128, 128, BF16)
     dout = helpers.random_like(_next_key(), q)
     dlse = jnp.asarray(np.random.default_rng(5).standard_normal((1, 4, 257)), jnp.float32)
@@ -185,7 +180,7 @@ def test_sinks_gradient_with_an_lse_cotangent():
 def test_minus_inf_sinks_are_no_sinks(causal):
     """sinks = -inf: the same out and lse as without sinks (to one unit in the last place),
     the same dq, dk, dv, and a zero sinks gradient."""
-    _need(BF16, 128)
+    helpers.skip_unless_kernels(BF16, 128)
     q, k, v = helpers.random_qkv(_next_key(), 2, 300, 257, 4, 2, 128, BF16)
     dout = helpers.random_like(_next_key(), q)
     kw = dict(causal=causal, deterministic=True)
@@ -212,7 +207,7 @@ def test_sinks_change_the_result():
     """A test that cannot fail is a defect: with sinks that take real weight, the kernel's
     out differs from the call without sinks by far more than the rounding (so the checks
     above see the sinks)."""
-    _need(BF16, 128, directions=("fwd",))
+    helpers.skip_unless_kernels(BF16, 128, directions=("fwd",))
     q, k, v, sinks = _inputs(1, 200, 200, 4, 2, 128, 128, BF16, sink_loc=4.0)
     attrs = _attrs(128, UNB, 0, 0.0)
     with_sinks = np.asarray(_ops.fwd(q, k, v, sinks, **attrs)[0], np.float32)
