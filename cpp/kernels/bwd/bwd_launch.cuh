@@ -133,7 +133,8 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
       dkv_tma_store<Tr, true>(p.dv, s),
       DocMask::of(p.docs, s.seqlen_q, s.seqlen_k)};
   auto kernel = [&] {
-    if constexpr (IsSplitD<Tr>::value) return bwd_split_d_kernel<Tr>;
+    if constexpr (IsSplitD<Tr>::value)
+      return p.docs.present() ? bwd_split_d_kernel<Tr, true> : bwd_split_d_kernel<Tr, false>;
     else if constexpr (Tr::kNoBand) return bwd_main_kernel<Tr, false>;  // never has documents
     else return p.docs.present() ? bwd_main_kernel<Tr, true> : bwd_main_kernel<Tr, false>;
   }();

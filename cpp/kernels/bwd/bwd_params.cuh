@@ -44,9 +44,10 @@ struct MainParams {
 
 // The query blocks [m_begin, m_end) that see a key of key block n_block (batch row b): the
 // band's, narrowed by the documents (kDocs: the kernel's copy for calls with documents).
-template <class Tr, bool kDocs = true>
-CUTE_DEVICE void query_blocks(MainParams<Tr> const& p, int n_block, int b, int& m_begin, int& m_end) {
-  p.band().query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
+template <class Tr, bool kDocs>
+CUTE_DEVICE void query_blocks(MainParams<Tr> const& p, BandMask const& band, int n_block, int b, int& m_begin,
+                              int& m_end) {
+  band.query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
   const int n0 = n_block * Tr::kBlockN;
   if constexpr (kDocs) p.docs.narrow_query_blocks(b, n0, min(n0 + Tr::kBlockN, p.seqlen_k) - 1, Tr::kBlockM, m_begin, m_end);
 }
@@ -62,7 +63,7 @@ CUTE_DEVICE void cta_work(MainParams<Tr> const& p, int& n_block, int& hk, int& b
   slot = -1;
   if constexpr (kTailSplitOk<Tr>) unit = p.split.unit_of(unit, slot);
   p.order.decode(unit, n_block, hk, b);
-  query_blocks<Tr, kDocs>(p, n_block, b, m_begin, m_end);
+  query_blocks<Tr, kDocs>(p, p.band(), n_block, b, m_begin, m_end);
   if (slot >= 0) p.split.share(slot, m_begin, m_end);
 }
 

@@ -31,7 +31,7 @@ namespace bwd {
 // P = exp2(S * scale_log2 - lse_log2) in place of S and dS = P o (dP - D) (o tanh' with softcap)
 // in place of dP, for one step whose S and dP GEMMs are in flight (rows = queries from m0,
 // columns = keys). lse_r/dpsum_r: the statistics of the thread's two accumulator rows.
-template <class Tr, class FragS, class CoordS>
+template <class Tr, bool kDocs, class FragS, class CoordS>
 CUTE_DEVICE void split_d_p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
                                   CoordS const& tScS, float const (&lse_r)[2], float const (&dpsum_r)[2],
                                   bool need_mask, int m0, int b) {
@@ -39,7 +39,7 @@ CUTE_DEVICE void split_d_p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, 
   // documents hide it.
   auto apply_mask = [&](float& pv, int i) {
     p.band().zero_if_masked(pv, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)));
-    if (p.docs.present()) p.docs.zero_unless_sees(pv, b, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)));
+    if constexpr (kDocs) p.docs.zero_unless_sees(pv, b, m0 + get<0>(tScS(i)), n0 + get<1>(tScS(i)));
   };
   if constexpr (!Tr::kSoftcap) {
     // P while dP is still on the tensor cores; the mask is its own pass (boundary blocks).
@@ -72,7 +72,7 @@ CUTE_DEVICE void split_d_p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, 
 }
 
 // The consumer warpgroups: the CTA's steps, then the dK/dV epilogue.
-template <class Tr>
+template <class Tr, bool kDocs>
 CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   using Element = typename Tr::Element;
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
@@ -85,7 +85,7 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   const int group = p.heads_q / p.heads_kv;
   const BandMask band = p.band();
   int m_begin, m_end;
-  query_blocks(p, n_block, b, m_begin, m_end);
+  query_blocks<Tr, kDocs>(p, band, n_block, b, m_begin, m_end);
   int ct, wg, t_in_wg;  // wg unused here: the thread slices take it from ct
   consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
@@ -141,7 +141,7 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   const int n0 = n_block * kBlockN;
   const bool n_partial = n0 + kBlockN > p.seqlen_k;
   int iq_min = 0, iq_max = 0x7fffffff;  // documents: only rows in [iq_min, iq_max] see every key
-  p.docs.narrow_interior_rows(b, n0, min(n0 + kBlockN, p.seqlen_k) - 1, iq_min, iq_max);
+  if constexpr (kDocs) p.docs.narrow_interior_rows(b, n0, min(n0 + kBlockN, p.seqlen_k) - 1, iq_min, iq_max);
   // The accumulator rows of a thread: element i sits on row get<0>(tScS(2 * ((i / 2) % 2)))
   // (value mode (column pair, row +8, column group)).
   const int row_lo = get<0>(tScS(0)), row_hi = get<0>(tScS(2));
@@ -153,13 +153,12 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
     const int h = hk * group + hi;
     // Recomputed per query head (a few integer ops): kept live across the step loop, the range
     // spilled.
-    query_blocks(p, n_block, b, m_begin, m_end);
+    query_blocks<Tr, kDocs>(p, band, n_block, b, m_begin, m_end);
     for (int m = m_begin; m < m_end; ++m, ++it) {
       const int m0 = m * kBlockM;
       const bool need_mask = n_partial ||
                              !band.block_is_interior(m0, min(m0 + kBlockM, p.seqlen_q) - 1, n0, kBlockN) ||
-                             (p.docs.present() && m0 < iq_min) ||
-                             (p.docs.present() && min(m0 + kBlockM, p.seqlen_q) - 1 > iq_max);
+                             (kDocs && (m0 < iq_min || min(m0 + kBlockM, p.seqlen_q) - 1 > iq_max));
       const int stage = it % kStages;
       const int buf = it % kStagesPdS;
       TxBar::wait(&ss.full[stage], (it / kStages) & 1);
@@ -174,7 +173,7 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
       const float* dpsum = ss.dpsum.data();
       const float lse_r[2] = {lse[row_lo], lse[row_hi]};
       const float dpsum_r[2] = {dpsum[row_lo], dpsum[row_hi]};
-      split_d_p_and_ds<Tr>(p, n0, tSrS, tdPrdP, tScS, lse_r, dpsum_r, need_mask, m0, b);
+      split_d_p_and_ds<Tr, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse_r, dpsum_r, need_mask, m0, b);
       {
         Tensor rP = make_tensor<Element>(tSrS.layout());
         convert_fragment(tSrS, rP);
@@ -223,7 +222,8 @@ CUTE_DEVICE void split_d_consumer(MainParams<Tr> const& p, char* smem_raw) {
   store_dkv_split_d<Tr>(p, ss, tdKrdK, tdVrdV, tdKVc, n0, hk, b, ct);
 }
 
-template <class Tr>
+// kDocs: the copy for calls with documents (as bwd_main_kernel).
+template <class Tr, bool kDocs>
 __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     bwd_split_d_kernel(const __grid_constant__ MainParams<Tr> p) {
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
@@ -248,13 +248,13 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
       p.order.decode(int(blockIdx.x), n_block, hk, b);
       const int group = p.heads_q / p.heads_kv;
       int m_begin, m_end;
-      query_blocks(p, n_block, b, m_begin, m_end);
+      query_blocks<Tr, kDocs>(p, p.band(), n_block, b, m_begin, m_end);
       if (m_end > m_begin)
         load_kv_and_steps_split_d(p, aligned_storage<Storage, false>(smem_raw), n_block, hk, b, group, m_begin, m_end);
     }
     return;
   }
-  split_d_consumer(p, smem_raw);
+  split_d_consumer<Tr, kDocs>(p, smem_raw);
 }
 
 }  // namespace bwd
