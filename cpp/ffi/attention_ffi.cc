@@ -122,13 +122,14 @@ ffi::Error doc_band(const char* name, ffi::Buffer<ffi::S32> x, int batch, int64_
 
 int64_t band_groups(int64_t len) { return (len + kBandGroupRows - 1) / kBandGroupRows; }
 
-// The query side of the bands (both present or both none).
-ffi::Error query_bands(ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> groups, const AttentionShape& s,
-                       DocBands* d) {
-  if (auto e = doc_band("q_rows", rows, s.batch, s.seqlen_q, 2, &d->q_rows); e.failure()) return e;
-  if (auto e = doc_band("q_groups", groups, s.batch, band_groups(s.seqlen_q), 4, &d->q_groups); e.failure())
-    return e;
-  if ((d->q_rows == nullptr) != (d->q_groups == nullptr)) return invalid("q_rows and q_groups come together");
+// One side of the bands, `side` "q" (len seqlen_q) or "k" (len seqlen_k): its rows and groups,
+// both present or both none.
+ffi::Error side_bands(const char* side, ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> groups, int batch,
+                      int64_t len, const int32_t** rows_data, const int32_t** groups_data) {
+  const std::string r = std::string(side) + "_rows", g = std::string(side) + "_groups";
+  if (auto e = doc_band(r.c_str(), rows, batch, len, 2, rows_data); e.failure()) return e;
+  if (auto e = doc_band(g.c_str(), groups, batch, band_groups(len), 4, groups_data); e.failure()) return e;
+  if ((*rows_data == nullptr) != (*groups_data == nullptr)) return invalid(r + " and " + g + " come together");
   return ffi::Error::Success();
 }
 
@@ -172,7 +173,9 @@ ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.sinks = sd[0] == 0 ? nullptr : sinks.typed_data();
-  if (auto e = query_bands(q_rows, q_groups, p.shape, &p.docs); e.failure()) return e;
+  if (auto e = side_bands("q", q_rows, q_groups, p.shape.batch, p.shape.seqlen_q, &p.docs.q_rows, &p.docs.q_groups);
+      e.failure())
+    return e;
   if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
     if (workspace->size_bytes() < bytes)
       return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
@@ -222,12 +225,13 @@ ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyB
   p.dk = dk->untyped_data();
   p.dv = dv->untyped_data();
   p.dpsum = want_dpsum ? dpsum->typed_data() : nullptr;
-  if (auto e = query_bands(q_rows, q_groups, p.shape, &p.docs); e.failure()) return e;
-  if (auto e = doc_band("k_rows", k_rows, p.shape.batch, p.shape.seqlen_k, 2, &p.docs.k_rows); e.failure()) return e;
-  if (auto e = doc_band("k_groups", k_groups, p.shape.batch, band_groups(p.shape.seqlen_k), 4, &p.docs.k_groups);
+  if (auto e = side_bands("q", q_rows, q_groups, p.shape.batch, p.shape.seqlen_q, &p.docs.q_rows, &p.docs.q_groups);
       e.failure())
     return e;
-  if ((p.docs.q_rows == nullptr) != (p.docs.k_rows == nullptr) || (p.docs.k_rows == nullptr) != (p.docs.k_groups == nullptr))
+  if (auto e = side_bands("k", k_rows, k_groups, p.shape.batch, p.shape.seqlen_k, &p.docs.k_rows, &p.docs.k_groups);
+      e.failure())
+    return e;
+  if ((p.docs.q_rows == nullptr) != (p.docs.k_rows == nullptr))
     return invalid("the backward takes all four document bands or none");
   if (p.docs.present() && deterministic)
     return invalid("the deterministic backward does not take document bands (jax_fa3 runs it on the portable path)");
@@ -256,7 +260,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, dv)
         .Arg<ffi::Buffer<ffi::F32>>()              // sinks (hq) or (0): none
         .Arg<ffi::Buffer<ffi::S32>>()              // q_rows (b, sq, 2) or (b, 0, 2): documents
-        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 16), 4) or (b, 0, 4)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 64), 4) or (b, 0, 4)
         .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
         .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes): tile counter
@@ -278,9 +282,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                     // dout (b, sq, hq, dv)
         .Arg<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Arg<ffi::Buffer<ffi::S32>>()              // q_rows (b, sq, 2) or (b, 0, 2): documents
-        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 16), 4) or (b, 0, 4)
+        .Arg<ffi::Buffer<ffi::S32>>()              // q_groups (b, ceil(sq / 64), 4) or (b, 0, 4)
         .Arg<ffi::Buffer<ffi::S32>>()              // k_rows (b, sk, 2) or (b, 0, 2)
-        .Arg<ffi::Buffer<ffi::S32>>()              // k_groups (b, ceil(sk / 16), 4) or (b, 0, 4)
+        .Arg<ffi::Buffer<ffi::S32>>()              // k_groups (b, ceil(sk / 64), 4) or (b, 0, 4)
         .Ret<ffi::AnyBuffer>()                     // dq   (b, sq, hq, d)
         .Ret<ffi::AnyBuffer>()                     // dk   (b, sk, hkv, d)
         .Ret<ffi::AnyBuffer>()                     // dv   (b, sk, hkv, dv)

@@ -24,7 +24,7 @@ template <class Tr>
 BwdTileOrder tile_order(const BwdParams& p) {
   const auto& s = p.shape;
   return BwdTileOrder{(s.seqlen_k + Tr::kBlockN - 1) / Tr::kBlockN, s.heads_kv, s.batch,
-                      bwd_order_section(s, p.opts, int(sizeof(typename Tr::Element)), p.docs.present())};
+                      bwd_order_section(s, p.opts, int(sizeof(typename Tr::Element)), p.docs)};
 }
 
 // The main kernel's tail split (bwd_order.cuh BwdTailSplit) for this call: the one choice that

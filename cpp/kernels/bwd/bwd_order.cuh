@@ -51,10 +51,10 @@ struct BwdTileOrder {
 // Host: the section width. Without a band (every CTA the same work) 1, the 3D grid's order.
 // With one, as many (kv head, batch) pairs as keep their Q, dO (input dtype) and fp32 dQ
 // accumulator within ~40 MB of the H200's L2 (FA3 budgets the same), rounded down to a power
-// of two, at least 1. Documents make the work vary as a band does.
+// of two, at least 1. Documents make the work vary as a band does (work_varies).
 inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& opts, int elem_bytes,
-                             bool docs = false) {
-  if (!band_limits_work(s, opts) && !docs) return 1;
+                             const DocBands& docs) {
+  if (!work_varies(s, opts, docs)) return 1;
   const int heads_kv = s.heads_kv, batch = s.batch;
   const int64_t group = heads_kv > 0 ? s.heads_q / heads_kv : 1;
   const int64_t bytes = group * s.seqlen_q * int64_t(s.head_dim) * (2 * elem_bytes + 4);
