@@ -53,7 +53,7 @@ struct BwdTileOrder {
 // accumulator within ~40 MB of the H200's L2 (FA3 budgets the same), rounded down to a power
 // of two, at least 1. Documents make the work vary as a band does (work_varies).
 inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& opts, int elem_bytes,
-                             const DocBands& docs) {
+                             const DocBands& docs = DocBands{}) {
   if (!work_varies(s, opts, docs)) return 1;
   const int heads_kv = s.heads_kv, batch = s.batch;
   const int64_t group = heads_kv > 0 ? s.heads_q / heads_kv : 1;
