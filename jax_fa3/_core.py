@@ -16,7 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_fa3 import _ffi, _masks, _ops, _validate, portable, segments as _segments
+from jax_fa3 import _ffi, _masks, _ops, _validate, portable, portable_fp8, segments as _segments
 from jax_fa3._masks import UNBOUNDED
 
 
@@ -202,3 +202,30 @@ def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
         return (*grads, None)
     dq, dk, dv, dpsum = grads
     return dq, dk, dv, portable.sinks_grad(sinks, lse, dpsum, dlse)
+
+
+# ----------------------------------------------------------------------------- FP8 forward
+
+def resolve_fp8_implementation(implementation) -> str:
+    """The implementation of an FP8 (float8_e4m3fn) forward. There is no FP8 kernel in this
+    version (issue 28): None and "xla" run the portable FP8 emulation (never the bf16/fp16
+    kernels, whose numerics differ); "cuda" raises a RuntimeError saying so, the machine's
+    reason first."""
+    _validate.check_implementation(implementation)
+    if implementation == "cuda":
+        reasons = [r for r in (_ffi.extension_reason(),
+                               _validate.kernel_input_reason(_validate.FP8_DTYPE, 128)) if r]
+        raise RuntimeError(f"implementation='cuda' cannot run this call: {'; '.join(reasons)}. "
+                           f"Use implementation=None to run it on the portable path.")
+    return "xla"
+
+
+def attention_fwd_fp8(q, k, v, descales, opts: Options, sinks=None, segments=None,
+                      descale_block_rows=None, out_dtype=jnp.bfloat16):
+    """(out, lse) of FP8 attention on local arrays: float8_e4m3fn q, k, v with their validated
+    descales (None = 1), out in `out_dtype`, lse float32. Portable only (no FP8 kernel yet,
+    issue 28): jax_fa3/portable_fp8.py emulates the kernel's numerics."""
+    return portable_fp8.forward(q, k, v, descales, sinks, softmax_scale=opts.softmax_scale,
+                                softcap=opts.softcap, left=opts.left, right=opts.right,
+                                segments=segments, descale_block_rows=descale_block_rows,
+                                out_dtype=out_dtype)

@@ -16,6 +16,8 @@ import numpy as np
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = ("bfloat16", "float16")
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 IMPLEMENTATIONS = (None, "cuda", "xla")
 
 
@@ -35,10 +37,27 @@ def _floating(name: str, x):
                         f"got dtype {x.dtype} with shape {x.shape}")
 
 
-def check_qkv(q, k, v, names=("q", "k", "v")):
+def is_fp8(dtype) -> bool:
+    """A one-byte float (float8_e4m3fn, e5m2, ...)."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 1
+
+
+def _check_fp8_dtype(name: str, x, fp8: bool):
+    """One-byte floats: float8_e4m3fn where the caller takes FP8 (`fp8`), nowhere else."""
+    if not is_fp8(x.dtype):
+        return
+    if not fp8:
+        raise TypeError(f"{name} has dtype {x.dtype}: FP8 inputs are taken by "
+                        f"jax_fa3.flash_attention only (with q_descale, k_descale, v_descale)")
+    if jnp.dtype(x.dtype) != jnp.dtype(FP8_DTYPE):
+        raise TypeError(f"{name} has dtype {x.dtype}: the FP8 path takes float8_e4m3fn (e4m3) "
+                        f"only")
+
+
+def check_qkv(q, k, v, names=("q", "k", "v"), fp8=False):
     """Arrays q (b, sq, hq, d), k (b, sk, hkv, d) and v (b, sk, hkv, dv) with one float dtype,
     hq % hkv == 0 and 1 <= d, dv <= 256. v's head dim may differ from q's and k's (the output
-    takes v's). Returns them as arrays."""
+    takes v's). float8_e4m3fn only when `fp8` (flash_attention). Returns them as arrays."""
     nq, nk, nv = names
     q, k, v = as_array(nq, q), as_array(nk, k), as_array(nv, v)
     for name, x, seq in ((nq, q, "seqlen_q"), (nk, k, "seqlen_k"), (nv, v, "seqlen_k")):
@@ -47,6 +66,7 @@ def check_qkv(q, k, v, names=("q", "k", "v")):
             raise ValueError(f"{name} must have rank 4 (batch, {seq}, {heads}, head_dim), "
                              f"got shape {x.shape}")
         _floating(name, x)
+        _check_fp8_dtype(name, x, fp8)
     for name, x in ((nk, k), (nv, v)):
         if x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype} but {nq} has dtype {q.dtype}; "
@@ -155,6 +175,8 @@ def kernel_input_reason(dtype, head_dim: int, head_dim_v: int | None = None) -> 
     `head_dim`, v's `head_dim_v`, default the same), or None. Any multiple of 8 up to 256
     runs, on the smallest compiled kernel head dim that holds both (jax_fa3/_ffi.py)."""
     name = jnp.dtype(dtype).name
+    if is_fp8(dtype):
+        return f"no FP8 ({name}) kernel is built in this version of jax_fa3 (issue 28)"
     if name not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {name}"
     for label, d in (("head_dim", head_dim), ("head_dim of v", head_dim_v)):
@@ -263,3 +285,80 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tot
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (n + 1 for n "
                          f"sequences), got shapes {out[0].shape} and {out[1].shape}")
     return tuple(out)
+
+
+# ----------------------------------------------------------------------------- FP8
+
+def check_out_dtype(out_dtype):
+    """The output dtype of an FP8 call: bfloat16 (None, the default) or float16, given as a
+    name or a dtype."""
+    if out_dtype is None:
+        return jnp.dtype(jnp.bfloat16)
+    try:
+        dtype = jnp.dtype(out_dtype)
+    except TypeError as err:
+        raise TypeError(f"out_dtype must be 'bfloat16' or 'float16' (or those jnp dtypes), "
+                        f"got {out_dtype!r}") from err
+    if dtype.name not in FP8_OUT_DTYPES:
+        raise ValueError(f"out_dtype must be 'bfloat16' or 'float16' for FP8 inputs, got "
+                         f"{dtype.name}")
+    return dtype
+
+
+def _descale(name, x, shapes: dict):
+    """x as a float32 array whose shape is one of `shapes` ({shape: meaning})."""
+    x = as_array(name, x)
+    expected = ", ".join(f"{shape} ({meaning})" for shape, meaning in shapes.items())
+    if not jnp.issubdtype(x.dtype, jnp.floating) or is_fp8(x.dtype):
+        raise TypeError(f"{name} must be a float32 array of shape {expected}; got dtype "
+                        f"{x.dtype} with shape {x.shape}")
+    if x.shape not in shapes:
+        raise ValueError(f"{name} must have shape {expected}; got shape {x.shape}")
+    return x.astype(jnp.float32)
+
+
+def check_fp8_args(q, k, q_descale, k_descale, v_descale, descale_block_rows, out_dtype):
+    """The FP8 arguments of flash_attention for validated q (b, sq, hq, d) and k (b, sk, hkv, d).
+
+    Non-FP8 inputs take none of them (an error names the one given) and get None back. FP8
+    inputs get ((q_descale, k_descale, v_descale), descale_block_rows, out_dtype): each
+    descale None (= 1) or float32 of shape () (per tensor), (b, hkv) (per batch row and kv
+    head, FA3's), for q also (b, hq) (per query head), and with descale_block_rows r
+    (b, hkv, ceil(sk / r)) for k and v, (b, hq or hkv, ceil(sq / r)) for q (per block of r
+    tokens of one head)."""
+    args = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                descale_block_rows=descale_block_rows, out_dtype=out_dtype)
+    if not is_fp8(q.dtype):
+        for name, x in args.items():
+            if x is not None:
+                raise ValueError(f"{name} is for float8_e4m3fn inputs only, but q has dtype "
+                                 f"{q.dtype} (quantize with jax_fa3.quantize_fp8, or call "
+                                 f"jax_fa3.flash_attention_fp8)")
+        return None
+    b, sq, hq = q.shape[:3]
+    sk, hkv = k.shape[1:3]
+    rows = None if descale_block_rows is None else static_int("descale_block_rows",
+                                                              descale_block_rows)
+    if rows is not None and rows < 1:
+        raise ValueError(f"descale_block_rows must be >= 1, got {rows}")
+    descales = []
+    for name, x, seqlen in (("q_descale", q_descale, sq), ("k_descale", k_descale, sk),
+                            ("v_descale", v_descale, sk)):
+        if x is None:
+            descales.append(None)
+            continue
+        shapes = {(): "per tensor", (b, hkv): "per batch row and kv head"}
+        if name == "q_descale":
+            shapes[(b, hq)] = "per batch row and query head"
+        block = f"per block of descale_block_rows={rows} tokens"
+        if rows is not None:
+            n = -(-seqlen // rows)
+            shapes[(b, hkv, n)] = block
+            if name == "q_descale":
+                shapes[(b, hq, n)] = block
+        elif getattr(x, "ndim", jnp.ndim(x)) == 3:
+            raise ValueError(f"{name} of shape {jnp.shape(x)} holds per-block descales: pass "
+                             f"descale_block_rows, the tokens per block (quantize_fp8's "
+                             f"block_rows)")
+        descales.append(_descale(name, x, shapes))
+    return tuple(descales), rows, check_out_dtype(out_dtype)

@@ -97,12 +97,35 @@ def attention(q, k, v, opts: Options, kv_lengths=None, sinks=None, segments=None
     return _attention(q, k, v, sinks, kv_lengths, segments, opts)
 
 
+# ----------------------------------------------------------------------------- FP8 forward
+
+FP8_NOT_DIFFERENTIABLE = (
+    "FP8 attention is forward-only (issue 28: no FP8 backward yet), so it cannot be "
+    "differentiated: jax.grad/jvp reached flash_attention's FP8 path through q, k, v, their "
+    "descales or sinks (also through flash_attention_fp8's quantization of bf16/fp16/f32 "
+    "inputs). Train with bf16/fp16 flash_attention and use FP8 for inference, or wrap the "
+    "inputs in jax.lax.stop_gradient.")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
+def _attention_fp8(q, k, v, descales, sinks, segments, opts: Options, block_rows, out_dtype):
+    return _core.attention_fwd_fp8(q, k, v, descales, opts, sinks=sinks, segments=segments,
+                                   descale_block_rows=block_rows, out_dtype=out_dtype)
+
+
+@_attention_fp8.defjvp
+def _attention_fp8_jvp(opts, block_rows, out_dtype, primals, tangents):
+    # Any derivative (not a silent zero or a straight-through one) is an error at trace time.
+    raise NotImplementedError(FP8_NOT_DIFFERENTIABLE)
+
+
 # ----------------------------------------------------------------------------- public API
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, sinks=None, return_lse=False, deterministic=False,
                     implementation=None, q_segment_ids=None, kv_segment_ids=None,
-                    q_positions=None, kv_positions=None):
+                    q_positions=None, kv_positions=None, q_descale=None, k_descale=None,
+                    v_descale=None, descale_block_rows=None, out_dtype=None):
     """FlashAttention: softmax(q kᵀ * softmax_scale) v, differentiable, jit/vmap-able.
 
     Args:
@@ -145,6 +168,21 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         the band is the row-index one above. One side's positions alone stand for the
         other's when the sides share their ids (kv_segment_ids None or the same array).
         Positions saturate to +-(2**29 - 1).
+      q_descale, k_descale, v_descale: FP8 only (q, k, v all float8_e4m3fn, e.g. from
+        `jax_fa3.quantize_fp8`): float32 factors such that x = x_fp8 * x_descale (None = 1).
+        Shapes: () per tensor; (batch, heads_kv) per batch row and kv head (FA3's rule, for
+        all three); q_descale also (batch, heads_q) per query head; and with
+        `descale_block_rows` r, per block of r consecutive tokens of one head: (batch,
+        heads_kv, ceil(seqlen_k / r)) for k and v, (batch, heads_q or heads_kv,
+        ceil(seqlen_q / r)) for q. Scores are (q_fp8 k_fp8ᵀ) * q_descale * k_descale *
+        softmax_scale; the probabilities are rounded to e4m3 (scaled into [0, 256] first, as
+        FA3 does) before P v. FP8 is FORWARD-ONLY: differentiating raises
+        NotImplementedError. There is no FP8 kernel in this version (issue 28): FP8 runs on
+        the portable path (implementation None or "xla"; "cuda" raises a RuntimeError).
+        Every other option works. `deterministic` (a backward option) has no effect.
+      descale_block_rows: tokens per descale block, needed for 3-D (per-block) descales
+        (quantize_fp8's `block_rows`).
+      out_dtype: FP8 only: "bfloat16" (default) or "float16" (or those jnp dtypes).
 
     Returns:
       out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, or (out, lse). A query row
@@ -167,17 +205,26 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         counts as seeing no key; its out is NaN). Gradients are NaN where they depend on
         the NaN, and possibly elsewhere in the same batch row and head group.
     """
-    q, k, v = _validate.check_qkv(q, k, v)
+    q, k, v = _validate.check_qkv(q, k, v, fp8=True)
+    fp8 = _validate.check_fp8_args(q, k, q_descale, k_descale, v_descale, descale_block_rows,
+                                   out_dtype)
     sinks = _validate.check_sinks(sinks, q.shape[2])
     segments = _validate.check_segments(q_segment_ids, kv_segment_ids, q_positions,
                                         kv_positions, q.shape, k.shape)
+    if fp8 is not None:
+        implementation = _core.resolve_fp8_implementation(implementation)
     opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap,
                                deterministic=deterministic, implementation=implementation,
                                head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
     segments = None if segments is None else Segments(*segments)
-    out, lse = attention(q, k, v, opts, sinks=sinks, segments=segments)
+    if fp8 is not None:  # forward-only, local: XLA partitions the portable FP8 path itself
+        descales, block_rows, out_dtype = fp8
+        out, lse = _attention_fp8(q, k, v, descales, sinks, segments, opts, block_rows,
+                                  out_dtype)
+    else:
+        out, lse = attention(q, k, v, opts, sinks=sinks, segments=segments)
     return (out, lse) if return_lse else out
 
 
