@@ -15,6 +15,10 @@ call the core (jax_fa3/_core.py) directly on one device, and through jax_fa3/sha
 partitioned. The backward runs on the kernel when the forward did and a backward kernel is
 built; an LSE cotangent (when the caller differentiates through `lse`) is exact on the
 portable backward, which then runs.
+
+FP8 (float8_e4m3fn q, k, v with descales, issue 28) is forward-only: `_attention_fp8`, a
+custom_jvp whose rule raises, runs the portable FP8 path (jax_fa3/portable_fp8.py) until an FP8
+kernel exists.
 """
 
 from __future__ import annotations

@@ -475,3 +475,18 @@ def test_fp8_is_not_differentiable():
     grad = jax.grad(lambda q: flash_attention_fp8(jax.lax.stop_gradient(q), x, x)
                     .astype(F32).sum() + q.astype(F32).sum())(x)
     assert (np.asarray(grad, np.float32) == 1).all()
+
+
+def test_accuracy_script_smoke(tmp_path):
+    """benchmarks/fp8_accuracy.py on a tiny problem: every variant, files written, and the
+    ordering the study is about (bf16 < block + incoherent < per-tensor)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fp8_accuracy
+    rows = fp8_accuracy.main(["--seqlen", "128", "--heads", "2", "--head-dim", "64",
+                              "--outlier-frac", "0.01", "--out", str(tmp_path), "--name", "t"])
+    assert set(rows) == set(fp8_accuracy.VARIANTS)
+    assert rows["bf16"]["rmse"] < rows["fp8 block + incoherent"]["rmse"] < \
+        rows["fp8 per-tensor"]["rmse"]
+    assert (tmp_path / "t.json").exists() and "| fp8 block |" in (tmp_path / "t.md").read_text()

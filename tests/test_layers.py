@@ -16,11 +16,12 @@ LAYERS = [
     ("jax_fa3._masks", "jax_fa3._validate", "jax_fa3._vma", "jax_fa3._ffi"),
     ("jax_fa3.segments",),
     ("jax_fa3._ops", "jax_fa3.portable"),
+    ("jax_fa3.portable_fp8",),
     ("jax_fa3._core",),
     ("jax_fa3.ring",),
     ("jax_fa3.sharding",),
     ("jax_fa3.attention",),
-    ("jax_fa3.compat",),
+    ("jax_fa3.compat", "jax_fa3.fp8"),
     ("jax_fa3",),
 ]
 
