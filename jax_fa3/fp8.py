@@ -130,7 +130,7 @@ def _quantize(name, x, granularity, block_rows, hadamard_key):
     if x.ndim != 4:
         raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape "
                          f"{x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype).itemsize == 1:
+    if not jnp.issubdtype(x.dtype, jnp.floating) or _validate.is_fp8(x.dtype):
         raise TypeError(f"{name} must be a bfloat16, float16 or float32 array to quantize, got "
                         f"dtype {x.dtype}")
     block_rows = _check_granularity(granularity, block_rows)
@@ -196,7 +196,7 @@ def flash_attention_fp8(q, k, v, *, granularity="head", block_rows=64, incoheren
                         f"flash_attention")
     q, k, v = _validate.check_qkv(q, k, v, fp8=True)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if jnp.dtype(x.dtype).itemsize == 1:
+        if _validate.is_fp8(x.dtype):
             raise TypeError(f"flash_attention_fp8 quantizes bfloat16/float16/float32 inputs; "
                             f"{name} is already {x.dtype}: call flash_attention with its "
                             f"descales")
