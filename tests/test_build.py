@@ -39,8 +39,10 @@ def test_build_info_lists_sane_instantiations():
         entries = info[direction]
         assert len(set(entries)) == len(entries), f"duplicate {direction} entries: {entries}"
         for dtype, head_dim in entries:
-            assert dtype in ("bfloat16", "float16")
+            assert dtype in ("bfloat16", "float16", "float8_e4m3fn")
             assert head_dim in (64, 96, 128, 192, 256)
+            if dtype == "float8_e4m3fn":  # FP8: forward only, at 64, 128, 256
+                assert direction == "fwd" and head_dim in (64, 128, 256), (direction, head_dim)
     for key in ("cuda_version", "cutlass_version"):
         assert str(info[key]).strip(), f"{key} is empty"
 
