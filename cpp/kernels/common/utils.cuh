@@ -82,7 +82,7 @@ CUTE_HOST_DEVICE constexpr int fp8_key_slot(int key) {  // key of a 16-key chunk
 // compact, for an fp32 accumulator layout `l` of kBlockN columns.
 template <class Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_fp8_operand_a(Layout const& l) {
-  constexpr int kRegs = decltype(cosize(l))::value;  // kBlockN / 2 per thread
+  constexpr int kRegs = decltype(size(l))::value;  // kBlockN / 2 per thread
   static_assert(kRegs % 16 == 0, "kBlockN must be a multiple of 32");
   return make_layout(Shape<Shape<_4, _2, _2>, _1, Int<kRegs / 16>>{});
 }

@@ -19,26 +19,55 @@ namespace fa3 {
 // fill A slots 4q .. 4q + 3, so a unit reads four 4-byte words (one per key, columns d0 .. d0 + 3)
 // and writes four (one per column, slots 4q .. 4q + 3), the 4 x 4 bytes transposed by byte
 // permutes. A swizzled row keeps each 4-byte group contiguous (the swizzles move 16-byte pieces).
+struct Fp8TransposeUnit {
+  int key0;  // the unit's keys: key0, key0 + 1, key0 + 8, key0 + 9 (key0 = 16 chunk + 2q)
+  int d0;    // its columns d0 .. d0 + 3
+  int slot;  // its first A slot, 16 chunk + 4q (= 16 chunk + fp8_key_slot(2q))
+};
+
+template <int kHeadDim>
+CUTE_HOST_DEVICE constexpr Fp8TransposeUnit fp8_transpose_unit(int u) {
+  constexpr int kGroups = kHeadDim / 4;  // column groups of a key
+  int const cq = u / kGroups;            // chunk * 4 + q
+  return {(cq / 4) * 16 + 2 * (cq % 4), 4 * (u % kGroups), (cq / 4) * 16 + 4 * (cq % 4)};
+}
+static_assert(fp8_key_slot(0) == 0 && fp8_key_slot(1) == 1 && fp8_key_slot(8) == 2 && fp8_key_slot(9) == 3);
+
+// __byte_perm, also on the host (tests/kernels/fwd_fp8_operand.cu): byte n of the result is byte
+// (s >> 4n) & 7 of the 8 bytes y:x.
+CUTE_HOST_DEVICE uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, s);
+#else
+  uint64_t const xy = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= uint32_t((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+  return r;
+#endif
+}
+
+// w[i] holds (key i, columns d0 .. d0 + 3) in bytes 0..3; out[j] gets (column d0 + j, keys 0..3).
+CUTE_HOST_DEVICE void transpose_4x4_bytes(uint32_t const (&w)[4], uint32_t (&out)[4]) {
+  uint32_t const lo01 = byte_perm(w[0], w[1], 0x5140), hi01 = byte_perm(w[0], w[1], 0x7362);
+  uint32_t const lo23 = byte_perm(w[2], w[3], 0x5140), hi23 = byte_perm(w[2], w[3], 0x7362);
+  out[0] = byte_perm(lo01, lo23, 0x5410);
+  out[1] = byte_perm(lo01, lo23, 0x7632);
+  out[2] = byte_perm(hi01, hi23, 0x5410);
+  out[3] = byte_perm(hi01, hi23, 0x7632);
+}
+
 template <class T, class TV, class TVt>
 CUTE_DEVICE void fwd_transpose_block(TV const& sV, TVt& sVt, int tid) {
-  constexpr int kGroups = T::kHeadDim / 4;                 // column groups of a key
-  constexpr int kUnits = T::kBlockN / 16 * 4 * kGroups;  // chunks x quads x column groups
+  constexpr int kUnits = T::kBlockN / 16 * 4 * (T::kHeadDim / 4);  // chunks x quads x column groups
   CUTLASS_PRAGMA_NO_UNROLL
   for (int u = tid; u < kUnits; u += T::kNumTransposeThreads) {
-    int const d0 = 4 * (u % kGroups);
-    int const cq = u / kGroups;  // chunk * 4 + q
-    int const key0 = (cq / 4) * 16 + 2 * (cq % 4);
-    static_assert(fp8_key_slot(0) == 0 && fp8_key_slot(1) == 1 && fp8_key_slot(8) == 2 && fp8_key_slot(9) == 3);
-    auto word = [&](int key) { return *reinterpret_cast<uint32_t const*>(&sV(key, d0)); };
-    uint32_t const w0 = word(key0), w1 = word(key0 + 1), w2 = word(key0 + 8), w3 = word(key0 + 9);
-    // Byte j of word i is (key i, column d0 + j); out word j is (column d0 + j, keys 0..3).
-    uint32_t const lo01 = __byte_perm(w0, w1, 0x5140), hi01 = __byte_perm(w0, w1, 0x7362);
-    uint32_t const lo23 = __byte_perm(w2, w3, 0x5140), hi23 = __byte_perm(w2, w3, 0x7362);
-    int const slot = (cq / 4) * 16 + 4 * (cq % 4);  // fp8_key_slot(key0 % 16) + the chunk
-    *reinterpret_cast<uint32_t*>(&sVt(d0 + 0, slot)) = __byte_perm(lo01, lo23, 0x5410);
-    *reinterpret_cast<uint32_t*>(&sVt(d0 + 1, slot)) = __byte_perm(lo01, lo23, 0x7632);
-    *reinterpret_cast<uint32_t*>(&sVt(d0 + 2, slot)) = __byte_perm(hi01, hi23, 0x5410);
-    *reinterpret_cast<uint32_t*>(&sVt(d0 + 3, slot)) = __byte_perm(hi01, hi23, 0x7632);
+    Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim>(u);
+    auto word = [&](int key) { return *reinterpret_cast<uint32_t const*>(&sV(key, x.d0)); };
+    uint32_t const w[4] = {word(x.key0), word(x.key0 + 1), word(x.key0 + 8), word(x.key0 + 9)};
+    uint32_t out[4];
+    transpose_4x4_bytes(w, out);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(&sVt(x.d0 + j, x.slot)) = out[j];
   }
 }
 
