@@ -76,6 +76,18 @@ def _no_bands(b):
     return rows, groups, rows, groups
 
 
+def _fwd_call(target: str, q, v, out_dtype):
+    """The ffi_call of a forward target for inputs like q (b, sq, hq, d) and v: its results are
+    out (b, sq, hq, dv) in `out_dtype`, lse (b, hq, sq) float32 and the workspace."""
+    b, sq, hq, _ = q.shape
+    return jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), out_dtype),
+         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
+        vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
+    )
+
+
 def fwd(q, k, v, sinks=None, bands=None, *, softmax_scale: float, softcap: float, window_left: int,
         window_right: int):
     """Kernel forward: returns (out, lse); out (b, sq, hq, dv) takes v's head dim.
@@ -90,14 +102,8 @@ def fwd(q, k, v, sinks=None, bands=None, *, softmax_scale: float, softcap: float
 
     @custom_vmap
     def op(q, k, v, q_rows, q_groups, sinks):
-        b, sq, hq, _ = q.shape
-        call = jax.ffi.ffi_call(
-            _ffi.FWD_TARGET,
-            (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
-             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
-            vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
-        )
-        out, lse, _ = call(q, k, v, sinks, q_rows, q_groups, **attrs)
+        out, lse, _ = _fwd_call(_ffi.FWD_TARGET, q, v, q.dtype)(q, k, v, sinks, q_rows, q_groups,
+                                                                **attrs)
         return out, lse
 
     sinks = _no_sinks() if sinks is None else sinks.astype(jnp.float32)
@@ -115,14 +121,8 @@ def fwd_fp8(q, k, v, q_descale, k_descale, v_descale, *, softmax_scale: float, s
 
     @custom_vmap
     def op(q, k, v, q_descale, k_descale, v_descale):
-        b, sq, hq, _ = q.shape
-        call = jax.ffi.ffi_call(
-            _ffi.FWD_FP8_TARGET,
-            (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), jnp.bfloat16),
-             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
-            vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
-        )
-        out, lse, _ = call(q, k, v, q_descale, k_descale, v_descale, **attrs)
+        out, lse, _ = _fwd_call(_ffi.FWD_FP8_TARGET, q, v, jnp.bfloat16)(
+            q, k, v, q_descale, k_descale, v_descale, **attrs)
         return out, lse
 
     return _fold_batch_rule(op)(q, k, v, q_descale, k_descale, v_descale)
