@@ -5,8 +5,13 @@
 //     warpgroup's 64 x kBlockN P is filled once; fp8_key_slot is a permutation of 0..15;
 //   * the V transpose (fwd_transpose.cuh): the units cover each (key, column) of a V block once
 //     and, through transpose_4x4_bytes, put V(key, d) at Vt(d, 16 (key / 16) +
-//     fp8_key_slot(key % 16)), the same permutation, so that P V sums matching pairs.
+//     fp8_key_slot(key % 16)), the same permutation, so that P V sums matching pairs; each warp's
+//     4-byte loads from V and stores to Vt (the tiles' swizzled layouts, 32 banks of 4 bytes) have
+//     at most 2-way bank conflicts.
+#include <algorithm>
 #include <cstdio>
+#include <map>
+#include <set>
 #include <vector>
 
 #include "fwd/fwd_launch.cuh"
@@ -50,7 +55,7 @@ int check_transpose() {
   for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
   constexpr int kUnits = N / 16 * 4 * (D / 4);
   for (int u = 0; u < kUnits; ++u) {
-    fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D>(u);
+    fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D, N>(u);
     int const keys[4] = {x.key0, x.key0 + 1, x.key0 + 8, x.key0 + 9};
     uint32_t w[4], out[4];
     for (int i = 0; i < 4; ++i) {
@@ -72,11 +77,37 @@ int check_transpose() {
   return bad;
 }
 
+// The worst bank conflict (distinct 4-byte words in one bank) of a warp's load or store i.
+template <class Tr>
+int worst_bank_conflict() {
+  constexpr int N = Tr::kBlockN, D = Tr::kHeadDim;
+  auto const sV = typename Tr::SmemLayoutK1{};   // (n, d)
+  auto const sVt = typename Tr::SmemLayoutVt{};  // (d, n, stages)
+  constexpr int kUnits = N / 16 * 4 * (D / 4);
+  int worst = 0;
+  for (int u0 = 0; u0 < kUnits; u0 += 32) {  // a warp's units (96 transposers: whole warps)
+    for (int i = 0; i < 4; ++i) {
+      std::map<int, std::set<int>> loads, stores;
+      for (int u = u0; u < std::min(u0 + 32, kUnits); ++u) {
+        fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D, N>(u);
+        int const key = x.key0 + (i & 1) + 8 * (i >> 1);
+        int const ld = int(sV(key, x.d0)) / 4, st = int(sVt(x.d0 + i, x.slot, 0)) / 4;
+        loads[ld % 32].insert(ld);
+        stores[st % 32].insert(st);
+      }
+      for (auto const* banks : {&loads, &stores})
+        for (auto const& b : *banks) worst = std::max(worst, int(b.second.size()));
+    }
+  }
+  return worst;
+}
+
 template <class Tr>
 int check(const char* name) {
-  int const a = check_operand<Tr>(), b = check_transpose<Tr>();
-  std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches\n", name, Tr::kHeadDim, Tr::kBlockN, a, b);
-  return a + b;
+  int const a = check_operand<Tr>(), b = check_transpose<Tr>(), conflict = worst_bank_conflict<Tr>();
+  std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches, bank conflicts %d-way\n", name,
+              Tr::kHeadDim, Tr::kBlockN, a, b, conflict);
+  return a + b + (conflict > 2);
 }
 
 int main() {

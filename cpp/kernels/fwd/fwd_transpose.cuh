@@ -19,17 +19,24 @@ namespace fa3 {
 // fill A slots 4q .. 4q + 3, so a unit reads four 4-byte words (one per key, columns d0 .. d0 + 3)
 // and writes four (one per column, slots 4q .. 4q + 3), the 4 x 4 bytes transposed by byte
 // permutes. A swizzled row keeps each 4-byte group contiguous (the swizzles move 16-byte pieces).
+// The 32 units of a warp take the 4 quads q, 4 neighbouring column groups and 2 neighbouring
+// chunks: of the bit choices for the lanes, the one whose loads and stores both have at most
+// 2-way bank conflicts in every FP8 tile (tests/kernels/fwd_fp8_operand.cu counts them; one warp
+// per chunk, column groups across the lanes, loaded conflict-free but stored 8- to 16-way).
 struct Fp8TransposeUnit {
   int key0;  // the unit's keys: key0, key0 + 1, key0 + 8, key0 + 9 (key0 = 16 chunk + 2q)
   int d0;    // its columns d0 .. d0 + 3
   int slot;  // its first A slot, 16 chunk + 4q (= 16 chunk + fp8_key_slot(2q))
 };
 
-template <int kHeadDim>
+template <int kHeadDim, int kBlockN>
 CUTE_HOST_DEVICE constexpr Fp8TransposeUnit fp8_transpose_unit(int u) {
-  constexpr int kGroups = kHeadDim / 4;  // column groups of a key
-  int const cq = u / kGroups;            // chunk * 4 + q
-  return {(cq / 4) * 16 + 2 * (cq % 4), 4 * (u % kGroups), (cq / 4) * 16 + 4 * (cq % 4)};
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 32 == 0);
+  constexpr int kChunkPairs = kBlockN / 32;
+  int const q = u & 3, rest = u >> 5;
+  int const chunk = 2 * (rest % kChunkPairs) + ((u >> 4) & 1);
+  int const group = 4 * (rest / kChunkPairs) + ((u >> 2) & 3);
+  return {16 * chunk + 2 * q, 4 * group, 16 * chunk + 4 * q};
 }
 static_assert(fp8_key_slot(0) == 0 && fp8_key_slot(1) == 1 && fp8_key_slot(8) == 2 && fp8_key_slot(9) == 3);
 
@@ -61,7 +68,7 @@ CUTE_DEVICE void fwd_transpose_block(TV const& sV, TVt& sVt, int tid) {
   constexpr int kUnits = T::kBlockN / 16 * 4 * (T::kHeadDim / 4);  // chunks x quads x column groups
   CUTLASS_PRAGMA_NO_UNROLL
   for (int u = tid; u < kUnits; u += T::kNumTransposeThreads) {
-    Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim>(u);
+    Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim, T::kBlockN>(u);
     auto word = [&](int key) { return *reinterpret_cast<uint32_t const*>(&sV(key, x.d0)); };
     uint32_t const w[4] = {word(x.key0), word(x.key0 + 1), word(x.key0 + 8), word(x.key0 + 9)};
     uint32_t out[4];
