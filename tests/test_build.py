@@ -51,6 +51,7 @@ def test_build_info_lists_sane_instantiations():
 def test_registrations_hold_capsules():
     regs = _ffi._fa3_cuda.registrations()
     assert set(regs) >= {_ffi.FWD_TARGET, _ffi.BWD_TARGET} == {"jax_fa3_fwd", "jax_fa3_bwd"}
+    assert _ffi.FWD_FP8_TARGET == "jax_fa3_fwd_fp8" in regs
     for name, capsule in regs.items():
         assert type(capsule).__name__ == "PyCapsule", f"{name}: {type(capsule)}"
 
