@@ -226,7 +226,9 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                                head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
     segments = None if segments is None else Segments(*segments)
-    if fp8 is not None:  # forward-only, local: XLA partitions the portable FP8 path itself
+    # FP8 is forward-only and local: XLA partitions the portable FP8 path itself; the FP8
+    # kernel's call has no sharding rule (XLA gathers sharded operands for it).
+    if fp8 is not None:
         descales, block_rows, out_dtype = fp8
         unsupported = _core.fp8_unsupported(descales, block_rows, sinks, segments,
                                             opts.softmax_scale)
