@@ -171,6 +171,14 @@ def test_descale_forms():
     _check("q per kv head, no v descale", (q8, qd_kv, k8, kd, v8, None))
 
 
+def test_zero_descale_gives_uniform_weights():
+    """A k descale of 0 (every score 0): uniform weights over the visible keys, as on the
+    portable path, and no NaN from the masked ones (the kernel keeps a positive scale)."""
+    _need(64)
+    q8, qd, k8, kd, v8, vd = _fp8_inputs(5, 1, 100, 100, 2, 1, 64)
+    _check("zero k descale", (q8, qd, k8, jnp.zeros_like(kd), v8, vd), causal=True)
+
+
 def test_none_takes_the_kernel_and_falls_back():
     """implementation=None lowers to the FP8 kernel; per-block descales go to the portable
     path (no FP8 custom call) and still match the float64 reference."""

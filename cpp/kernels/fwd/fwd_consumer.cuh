@@ -10,6 +10,8 @@
 // (fwd_transpose.cuh; pipe_v is that ring), and v's descale joins O's final scale.
 #pragma once
 
+#include <cfloat>
+
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "fwd/fwd_epilogue.cuh"
@@ -131,8 +133,10 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     FwdTileDescale descale;
     if constexpr (T::kFp8) {  // the scores' factor goes where the softmax scale is (softcap: inside tanh)
       descale = FwdTileDescale::of(p, tile.c);
+      // A zero descale would make a masked score's exponent -inf * 0 = NaN; the smallest normal
+      // scale gives what the portable path does, uniform weights.
       if (softcap) pre_tanh = p.scale.pre_tanh * descale.qk;
-      else softmax.scale_log2 = p.scale.scale_log2 * descale.qk;
+      else softmax.scale_log2 = fmaxf(p.scale.scale_log2 * descale.qk, FLT_MIN);
     }
     // This tile's Q slab descriptors.
     auto tSrQ = [&]() {
