@@ -17,7 +17,8 @@ nb::capsule ffi_capsule(Fn* fn) {
 nb::dict build_info() {
   nb::dict info;
   nb::list fwd, bwd;
-  for (auto [dtype, name] : {std::pair{fa3::DType::kBF16, "bfloat16"}, std::pair{fa3::DType::kFP16, "float16"}})
+  for (auto [dtype, name] : {std::pair{fa3::DType::kBF16, "bfloat16"}, std::pair{fa3::DType::kFP16, "float16"},
+                             std::pair{fa3::DType::kE4M3, "float8_e4m3fn"}})
     for (int hd : fa3::kKernelHeadDims) {
       if (fa3::fwd_compiled(dtype, hd)) fwd.append(nb::make_tuple(name, hd));
       if (fa3::bwd_compiled(dtype, hd)) bwd.append(nb::make_tuple(name, hd));
@@ -36,6 +37,7 @@ NB_MODULE(_fa3_cuda, m) {
   m.def("registrations", []() {
     nb::dict r;
     r["jax_fa3_fwd"] = ffi_capsule(fa3_fwd);
+    r["jax_fa3_fwd_fp8"] = ffi_capsule(fa3_fwd_fp8);
     r["jax_fa3_bwd"] = ffi_capsule(fa3_bwd);
     return r;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");

@@ -206,25 +206,54 @@ def attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,
 
 # ----------------------------------------------------------------------------- FP8 forward
 
-def resolve_fp8_implementation(implementation) -> str:
-    """The implementation of an FP8 (float8_e4m3fn) forward. There is no FP8 kernel in this
-    version (issue 28): None and "xla" run the portable FP8 emulation (never the bf16/fp16
-    kernels, whose numerics differ); "cuda" raises a RuntimeError saying so, the machine's
-    reason first."""
+def fp8_unsupported(descales, descale_block_rows, sinks, segments, softmax_scale) -> list[str]:
+    """Sentences naming what of an FP8 call the FP8 kernel cannot take (empty: it can)."""
+    reasons = scale_reasons(softmax_scale, "softmax_scale")
+    if descale_block_rows is not None and any(d is not None and d.ndim == 3 for d in descales):
+        reasons.append("the FP8 kernel takes per-tensor or per-head descales, not per-block ones "
+                       "(descale_block_rows)")
+    if sinks is not None:
+        reasons.append("the FP8 kernel takes no attention sinks")
+    if segments is not None:
+        reasons.append("the FP8 kernel takes no segment ids or positions (packed documents)")
+    return reasons
+
+
+def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
+    """'cuda' (the FP8 kernel) or 'xla' (the portable FP8 emulation, jax_fa3/portable_fp8.py;
+    never the bf16/fp16 kernels, whose numerics differ) for float8_e4m3fn q and v, as
+    `resolve_implementation` decides for the other dtypes: None takes the kernel when it can
+    run the call, "cuda" raises saying why it cannot (`unsupported`: `fp8_unsupported`)."""
     _validate.check_implementation(implementation)
-    if implementation == "cuda":
-        reasons = [r for r in (_ffi.extension_reason(),
-                               _validate.kernel_input_reason(_validate.FP8_DTYPE, 128)) if r]
-        raise RuntimeError(f"implementation='cuda' cannot run this call: {'; '.join(reasons)}. "
-                           f"Use implementation=None to run it on the portable path.")
-    return "xla"
+    return resolve_implementation(implementation, q, unsupported=unsupported,
+                                  head_dim_v=v.shape[-1])
+
+
+def _kernel_descales(descales, b, hq, hkv):
+    """The FP8 kernel's descale operands, float32: q (b, hq), k and v (b, hkv). None is 1, a
+    per-tensor one is broadcast, a q descale per kv head is repeated over its query heads."""
+    def per_head(x, heads):
+        if x is None:
+            return jnp.ones((b, heads), jnp.float32)
+        if x.ndim == 0:
+            return jnp.broadcast_to(x, (b, heads))
+        return jnp.repeat(x, heads // x.shape[1], axis=1)
+    q, k, v = descales
+    return per_head(q, hq), per_head(k, hkv), per_head(v, hkv)
 
 
 def attention_fwd_fp8(q, k, v, descales, opts: Options, sinks=None, segments=None,
                       descale_block_rows=None, out_dtype=jnp.bfloat16):
     """(out, lse) of FP8 attention on local arrays: float8_e4m3fn q, k, v with their validated
-    descales (None = 1), out in `out_dtype`, lse float32. Portable only (no FP8 kernel yet,
-    issue 28): jax_fa3/portable_fp8.py emulates the kernel's numerics."""
+    descales (None = 1), out in `out_dtype`, lse float32. On the FP8 kernel when
+    `opts.implementation` is "cuda" (its bfloat16 out converted to float16 when asked), else
+    on jax_fa3/portable_fp8.py, which emulates the kernel's numerics."""
+    if opts.implementation == "cuda" and not is_empty(q, k):
+        b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+        out, lse = _ops.fwd_fp8(q, k, v, *_kernel_descales(descales, b, hq, hkv),
+                                softmax_scale=opts.softmax_scale, softcap=opts.softcap,
+                                window_left=opts.left, window_right=opts.right)
+        return out.astype(out_dtype), lse
     return portable_fp8.forward(q, k, v, descales, sinks, softmax_scale=opts.softmax_scale,
                                 softcap=opts.softcap, left=opts.left, right=opts.right,
                                 segments=segments, descale_block_rows=descale_block_rows,

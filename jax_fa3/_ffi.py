@@ -22,6 +22,7 @@ else:
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 FWD_TARGET = "jax_fa3_fwd"
+FWD_FP8_TARGET = "jax_fa3_fwd_fp8"  # float8_e4m3fn q, k, v with descales; bfloat16 out
 BWD_TARGET = "jax_fa3_bwd"
 
 

@@ -1,4 +1,4 @@
-"""The only `jax.ffi.ffi_call` sites: the Hopper forward and backward kernels.
+"""The only `jax.ffi.ffi_call` sites: the Hopper forward (bf16/fp16 and FP8) and backward kernels.
 
 Each op has a batching rule (`custom_vmap`) that folds the mapped axis into the batch axis, so
 `vmap` runs one kernel launch over the whole stack instead of a loop. Inputs follow the layout
@@ -76,6 +76,18 @@ def _no_bands(b):
     return rows, groups, rows, groups
 
 
+def _fwd_call(target: str, q, v, out_dtype):
+    """The ffi_call of a forward target for inputs like q (b, sq, hq, d) and v: its results are
+    out (b, sq, hq, dv) in `out_dtype`, lse (b, hq, sq) float32 and the workspace."""
+    b, sq, hq, _ = q.shape
+    return jax.ffi.ffi_call(
+        target,
+        (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), out_dtype),
+         jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
+        vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
+    )
+
+
 def fwd(q, k, v, sinks=None, bands=None, *, softmax_scale: float, softcap: float, window_left: int,
         window_right: int):
     """Kernel forward: returns (out, lse); out (b, sq, hq, dv) takes v's head dim.
@@ -90,19 +102,30 @@ def fwd(q, k, v, sinks=None, bands=None, *, softmax_scale: float, softcap: float
 
     @custom_vmap
     def op(q, k, v, q_rows, q_groups, sinks):
-        b, sq, hq, _ = q.shape
-        call = jax.ffi.ffi_call(
-            _ffi.FWD_TARGET,
-            (jax.ShapeDtypeStruct((b, sq, hq, v.shape[-1]), q.dtype),
-             jax.ShapeDtypeStruct((b, hq, sq), jnp.float32), _FWD_WORKSPACE),
-            vmap_method="sequential",  # never reached: custom_vmap folds vmap into the batch axis
-        )
-        out, lse, _ = call(q, k, v, sinks, q_rows, q_groups, **attrs)
+        out, lse, _ = _fwd_call(_ffi.FWD_TARGET, q, v, q.dtype)(q, k, v, sinks, q_rows, q_groups,
+                                                                **attrs)
         return out, lse
 
     sinks = _no_sinks() if sinks is None else sinks.astype(jnp.float32)
     q_rows, q_groups, _, _ = _no_bands(q.shape[0]) if bands is None else bands
     return _fold_batch_rule(op, num_shared=1)(q, k, v, q_rows, q_groups, sinks)
+
+
+def fwd_fp8(q, k, v, q_descale, k_descale, v_descale, *, softmax_scale: float, softcap: float,
+            window_left: int, window_right: int):
+    """FP8 kernel forward: float8_e4m3fn q, k, v and float32 descales q_descale (b, hq),
+    k_descale and v_descale (b, hkv) (x = x_fp8 * descale); returns (out, lse) with out
+    (b, sq, hq, dv) bfloat16. No sinks, no documents, no per-block descales (jax_fa3/_core.py
+    sends those to the portable FP8 path)."""
+    attrs = _options(softmax_scale, softcap, window_left, window_right)
+
+    @custom_vmap
+    def op(q, k, v, q_descale, k_descale, v_descale):
+        out, lse, _ = _fwd_call(_ffi.FWD_FP8_TARGET, q, v, jnp.bfloat16)(
+            q, k, v, q_descale, k_descale, v_descale, **attrs)
+        return out, lse
+
+    return _fold_batch_rule(op)(q, k, v, q_descale, k_descale, v_descale)
 
 
 def bwd(q, k, v, out, lse, dout, bands=None, *, softmax_scale: float, softcap: float, window_left: int,

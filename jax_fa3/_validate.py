@@ -173,15 +173,18 @@ def check_implementation(implementation):
 def kernel_input_reason(dtype, head_dim: int, head_dim_v: int | None = None) -> str | None:
     """Why the Hopper kernels cannot take inputs of this dtype and head dims (q/k's
     `head_dim`, v's `head_dim_v`, default the same), or None. Any multiple of 8 up to 256
-    runs, on the smallest compiled kernel head dim that holds both (jax_fa3/_ffi.py)."""
+    runs, on the smallest compiled kernel head dim that holds both (jax_fa3/_ffi.py); for FP8
+    (float8_e4m3fn, forward only) a multiple of 16 (TMA's 16-byte rows)."""
     name = jnp.dtype(dtype).name
-    if is_fp8(dtype):
-        return f"no FP8 ({name}) kernel is built in this version of jax_fa3 (issue 28)"
-    if name not in KERNEL_DTYPES:
+    fp8 = is_fp8(dtype)
+    if fp8 and jnp.dtype(dtype) != jnp.dtype(FP8_DTYPE):
+        return f"the FP8 kernel takes float8_e4m3fn inputs, got {name}"
+    if not fp8 and name not in KERNEL_DTYPES:
         return f"the kernels take bfloat16 or float16 inputs, got {name}"
+    multiple, kind = (16, "the FP8 kernel needs") if fp8 else (8, "the kernels need")
     for label, d in (("head_dim", head_dim), ("head_dim of v", head_dim_v)):
-        if d is not None and (d % 8 != 0 or d > MAX_HEAD_DIM):
-            return f"the kernels need {label} a multiple of 8 up to {MAX_HEAD_DIM}, got {d}"
+        if d is not None and (d % multiple != 0 or d > MAX_HEAD_DIM):
+            return f"{kind} {label} a multiple of {multiple} up to {MAX_HEAD_DIM}, got {d}"
     return None
 
 

@@ -17,12 +17,13 @@ built; an LSE cotangent (when the caller differentiates through `lse`) is exact 
 portable backward, which then runs.
 
 FP8 (float8_e4m3fn q, k, v with descales, issue 28) is forward-only: `_attention_fp8`, a
-custom_jvp whose rule raises, runs the portable FP8 path (jax_fa3/portable_fp8.py) until an FP8
-kernel exists.
+custom_jvp whose rule raises, runs the FP8 kernel when it can take the call and the portable
+FP8 path (jax_fa3/portable_fp8.py, the kernel's numerics emulated) otherwise.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -181,9 +182,11 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         ceil(seqlen_q / r)) for q. Scores are (q_fp8 k_fp8ᵀ) * q_descale * k_descale *
         softmax_scale; the probabilities are rounded to e4m3 (scaled into [0, 256] first, as
         FA3 does) before P v. FP8 is FORWARD-ONLY: differentiating raises
-        NotImplementedError. There is no FP8 kernel in this version (issue 28): FP8 runs on
-        the portable path (implementation None or "xla"; "cuda" raises a RuntimeError).
-        Every other option works. `deterministic` (a backward option) has no effect.
+        NotImplementedError. The FP8 kernel (head dims multiples of 16 up to 256, on the
+        compiled FP8 head dims) takes per-tensor and per-head descales, causal, windows,
+        softcap, GQA and any seqlens; per-block descales, sinks and segment ids run on the
+        portable FP8 path, which emulates the kernel's numerics (implementation None; "cuda"
+        raises naming them). `deterministic` (a backward option) has no effect.
       descale_block_rows: tokens per descale block, needed for 3-D (per-block) descales
         (quantize_fp8's `block_rows`).
       out_dtype: FP8 only: "bfloat16" (default) or "float16" (or those jnp dtypes).
@@ -215,16 +218,22 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     sinks = _validate.check_sinks(sinks, q.shape[2])
     segments = _validate.check_segments(q_segment_ids, kv_segment_ids, q_positions,
                                         kv_positions, q.shape, k.shape)
-    if fp8 is not None:
-        implementation = _core.resolve_fp8_implementation(implementation)
+    # FP8 settles its implementation below; the options' own resolution is the bf16/fp16 one.
     opts = _core.flash_options(q, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap,
-                               deterministic=deterministic, implementation=implementation,
+                               deterministic=deterministic,
+                               implementation="xla" if fp8 is not None else implementation,
                                head_dim_v=v.shape[-1])
     return_lse = _validate.check_bool("return_lse", return_lse)
     segments = None if segments is None else Segments(*segments)
-    if fp8 is not None:  # forward-only, local: XLA partitions the portable FP8 path itself
+    # FP8 is forward-only and local: XLA partitions the portable FP8 path itself; the FP8
+    # kernel's call has no sharding rule (XLA gathers sharded operands for it).
+    if fp8 is not None:
         descales, block_rows, out_dtype = fp8
+        unsupported = _core.fp8_unsupported(descales, block_rows, sinks, segments,
+                                            opts.softmax_scale)
+        opts = dataclasses.replace(opts, implementation=_core.resolve_fp8_implementation(
+            implementation, q, v, unsupported))
         out, lse = _attention_fp8(q, k, v, descales, sinks, segments, opts, block_rows,
                                   out_dtype)
     else:

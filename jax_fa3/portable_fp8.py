@@ -1,5 +1,6 @@
 """Portable FP8 (e4m3) attention forward: the numerics of FA3's FP8 kernel, emulated in pure
-JAX, so that it runs anywhere and is the oracle of the FP8 kernel to come (issue 28).
+JAX, so that it runs anywhere and is the oracle of our FP8 kernel (issue 28;
+cpp/kernels/fwd with an e4m3 element).
 
 Per block of keys (the portable path's blocks, masks and online softmax, in the exp2 domain):
 
@@ -18,6 +19,11 @@ at most 2^-10, i.e. 2^-18 of the row's largest P). Descales are applied per quer
 key, which is how per-tensor, per-head and per-block descales all look from inside a tile; v's
 is folded into v (one float32 rounding, as if the kernel applied it per key block). A row
 that sees no key gets out 0 and lse -inf (lse sinks[h] with sinks), no NaN.
+
+P is rounded under the running max of the blocks seen so far, so the rounding depends on the
+blocking. With `kernel_blocks` the key blocks are the kernel's: `block_k` keys aligned at
+multiples of block_k, visited from the last to the first; the kernel and this emulation then
+round the same P, up to float32 noise in the scores.
 """
 
 from __future__ import annotations
@@ -67,13 +73,14 @@ def _key_blocks(x, sk, start, stop, bk):
 def forward(q, k, v, descales=(None, None, None), sinks=None, *, softmax_scale: float,
             softcap: float = 0.0, left: int = UNBOUNDED, right: int = UNBOUNDED, segments=None,
             descale_block_rows=None, out_dtype=jnp.bfloat16,
-            block_k: int = portable.DEFAULT_BLOCK_K):
+            block_k: int = portable.DEFAULT_BLOCK_K, kernel_blocks: bool = False):
     """FP8 attention forward (module docstring).
 
     q (b, sq, hq, d), k (b, sk, hkv, d), v (b, sk, hkv, dv) float8_e4m3fn; `descales` the
     validated (q_descale, k_descale, v_descale) (None = 1; shapes in
     jax_fa3._validate.check_fp8_args; per-block ones cover `descale_block_rows` tokens);
-    sinks None or (hq,) float32; segments as in jax_fa3.portable. Returns out
+    sinks None or (hq,) float32; segments as in jax_fa3.portable; `kernel_blocks`: the FP8
+    kernel's blocking of the keys (module docstring), `block_k` its kBlockN. Returns out
     (b, sq, hq, dv) in `out_dtype` and lse (b, hq, sq) float32."""
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -87,7 +94,10 @@ def forward(q, k, v, descales=(None, None, None), sinks=None, *, softmax_scale: 
     start, stop = portable.key_range(sq, sk, left, right, positional)
     if stop == start or 0 in (b, sq, hq, d, dv):
         return _finish(m, l, o, out_shape, out_dtype)
-    bk = portable._block_size(start, stop, block_k)
+    if kernel_blocks:
+        bk, start = block_k, start // block_k * block_k
+    else:
+        bk = portable._block_size(start, stop, block_k)
     q_scale, k_scale, v_scale = (
         _per_row(x, b, hkv, n, s, descale_block_rows)
         for x, n, s in zip(descales, (g, 1, 1), (sq, sk, sk)))
@@ -124,7 +134,7 @@ def forward(q, k, v, descales=(None, None, None), sinks=None, *, softmax_scale: 
           _key_blocks(k_scale[:, :, 0], sk, start, stop, bk),
           _key_blocks(v_scale[:, :, 0], sk, start, stop, bk),
           kstarts, portable._segment_blocks(segments, start, stop, bk))
-    (m, l, o), _ = lax.scan(step, init, xs)
+    (m, l, o), _ = lax.scan(step, init, xs, reverse=kernel_blocks)
     return _finish(m, l, o, out_shape, out_dtype)
 
 

@@ -12,8 +12,10 @@ any tile, the deterministic backward, the backward tail split (d <= 128: every u
 fewer key blocks than SMs runs split, and one bf16 call per head dim has a full wave of whole
 units before its split ones), the split-D backward (d = 256), head dims below the compiled one
 (loads zero-filled past them, stores clipped), v's own head dim (MLA's 192/128 on the 192
-kernel) and attention sinks (with their gradient). `--coverage` runs them under the JAX profiler and
-fails unless every fa3 kernel in the extension was launched at least once.
+kernel) and attention sinks (with their gradient). FP8 (float8_e4m3fn, forward only: its V
+transpose ring and P operand) has forward-only cases per compiled FP8 head dim (`fp8_cases_for`).
+`--coverage` runs them under the JAX profiler and fails unless every fa3 kernel in the extension
+was launched at least once.
 
 scripts/sanitize.sh runs this under memcheck, racecheck, initcheck and synccheck.
 """
@@ -116,6 +118,22 @@ ISSUE24 = [  # the shapes of issue 24's racecheck report (bf16)
 ]
 
 
+FP8 = "float8_e4m3fn"
+
+
+def fp8_cases_for(d: int) -> list[Case]:
+    """Forward-only FP8 calls on the FP8 kernel of head dim d (64, 128, 256): both tiles, the
+    options the FP8 forward branches on, ragged lengths, rows without keys."""
+    return [
+        Case("fp8-full", FP8, d, 2, 200, 513, 4, 2),
+        Case("fp8-causal", FP8, d, 1, 777, 777, 4, 2, causal=True),
+        Case("fp8-causal-sq>sk", FP8, d, 1, 300, 129, 2, 1, causal=True),  # rows without keys
+        Case("fp8-window-softcap", FP8, d, 2, 300, 700, 6, 3, window=(100, 20), softcap=5.0),
+        Case("fp8-seqlen-1", FP8, d, 2, 1, 17, 2, 2),
+        Case("fp8-value-dim", FP8, d, 1, 130, 300, 2, 1, dv=d // 2),
+    ]
+
+
 def compiled_cases(which: str) -> list[Case]:
     info = jax_fa3.build_info()
     if info is None:
@@ -123,7 +141,8 @@ def compiled_cases(which: str) -> list[Case]:
     both = sorted(set(info["fwd"]) & set(info["bwd"]))
     if which == "issue24":
         return [c for c in ISSUE24 if (c.dtype, c.d) in both]
-    return [c for dt, d in both for c in cases_for(dt, d)]
+    fp8 = sorted(d for dt, d in info["fwd"] if dt == FP8)
+    return [c for dt, d in both for c in cases_for(dt, d)] + [c for d in fp8 for c in fp8_cases_for(d)]
 
 
 def run_case(c: Case) -> float:
@@ -131,6 +150,8 @@ def run_case(c: Case) -> float:
     inputs depend on the case alone (not on which process runs it), so that every run of a case
     compiles the same program: scripts/sanitize.sh compiles each once, into JAX's persistent
     cache, before the sanitizer runs."""
+    if c.dtype == FP8:
+        return run_fp8_case(c)
     rng = np.random.default_rng(zlib.crc32(c.label().encode()))
     dt = jnp.dtype(c.dtype)
     shape_q, shape_k = (c.b, c.sq, c.hq, c.d), (c.b, c.sk, c.hkv, c.d)
@@ -161,6 +182,25 @@ def run_case(c: Case) -> float:
         x = np.asarray(x, np.float32)
         if not np.isfinite(x).all():
             raise AssertionError(f"{c.label()}: {name} has non-finite values")
+    return time.perf_counter() - t0
+
+
+def run_fp8_case(c: Case) -> float:
+    """The forward of one FP8 case (FP8 is forward-only), inputs quantized per head on the host
+    side of the call; out and lse must be finite where the rows see keys (lse -inf elsewhere)."""
+    rng = np.random.default_rng(zlib.crc32(c.label().encode()))
+    shapes = ((c.b, c.sq, c.hq, c.d), (c.b, c.sk, c.hkv, c.d), (c.b, c.sk, c.hkv, c.head_dim_v))
+    (q, qd), (k, kd), (v, vd) = (jax_fa3.quantize_fp8(jax.device_put(rng.standard_normal(s).astype(np.float32)),
+                                                      granularity="head") for s in shapes)
+    t0 = time.perf_counter()
+    fwd = jax.jit(lambda q, k, v, qd, kd, vd: jax_fa3.flash_attention(
+        q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=c.causal, window_size=c.window,
+        softcap=c.softcap, implementation="cuda", return_lse=True))
+    out, lse = fwd(q, k, v, qd, kd, vd)
+    if not np.isfinite(np.asarray(out, np.float32)).all():
+        raise AssertionError(f"{c.label()}: out has non-finite values")
+    if np.isnan(np.asarray(lse)).any() or np.isposinf(np.asarray(lse)).any():
+        raise AssertionError(f"{c.label()}: lse has NaN or +inf")
     return time.perf_counter() - t0
 
 

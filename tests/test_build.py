@@ -39,8 +39,10 @@ def test_build_info_lists_sane_instantiations():
         entries = info[direction]
         assert len(set(entries)) == len(entries), f"duplicate {direction} entries: {entries}"
         for dtype, head_dim in entries:
-            assert dtype in ("bfloat16", "float16")
+            assert dtype in ("bfloat16", "float16", "float8_e4m3fn")
             assert head_dim in (64, 96, 128, 192, 256)
+            if dtype == "float8_e4m3fn":  # FP8: forward only, at 64, 128, 256
+                assert direction == "fwd" and head_dim in (64, 128, 256), (direction, head_dim)
     for key in ("cuda_version", "cutlass_version"):
         assert str(info[key]).strip(), f"{key} is empty"
 
@@ -49,6 +51,7 @@ def test_build_info_lists_sane_instantiations():
 def test_registrations_hold_capsules():
     regs = _ffi._fa3_cuda.registrations()
     assert set(regs) >= {_ffi.FWD_TARGET, _ffi.BWD_TARGET} == {"jax_fa3_fwd", "jax_fa3_bwd"}
+    assert _ffi.FWD_FP8_TARGET == "jax_fa3_fwd_fp8" in regs
     for name, capsule in regs.items():
         assert type(capsule).__name__ == "PyCapsule", f"{name}: {type(capsule)}"
 

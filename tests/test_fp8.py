@@ -3,7 +3,8 @@ validation, and flash_attention with float8_e4m3fn inputs on the portable path a
 float64 oracle of the DEQUANTIZED inputs (tests/helpers.py), with a bound derived from e4m3's
 precision (`fp8_bound`).
 
-No GPU tests: there is no FP8 kernel yet; implementation="cuda" must say so.
+The FP8 kernel's GPU tests are tests/test_fp8_gpu.py; here, what implementation="cuda" says
+where it cannot run, and the portable emulation of the kernel's key blocks.
 """
 
 from __future__ import annotations
@@ -445,16 +446,49 @@ def test_fp8_dtype_errors():
         flash_attention_fp8(y, y, y, incoherent=True)
 
 
-def test_cuda_says_there_is_no_fp8_kernel():
-    with pytest.raises(RuntimeError) as err:
-        jax.eval_shape(lambda q, k: flash_attention(q, k, k, implementation="cuda"), Q8, K8)
-    assert "implementation='cuda'" in str(err.value) and "issue 28" in str(err.value)
-    assert "FP8" in str(err.value)
-    assert "issue 28" in jax_fa3._validate.kernel_input_reason(F8, 128)  # after the machine's
-    for impl in (None, "xla"):  # the portable FP8 path, never the bf16 kernels' custom call
+def test_fp8_cuda_names_what_the_kernel_cannot_take():
+    """implementation='cuda' raises naming each reason: the machine (no GPU or build here), and
+    what the FP8 kernel does not take (per-block descales, sinks, segment ids, head dims that
+    are not multiples of 16); None runs those on the portable path."""
+    blocks = jnp.ones((2, 2, 2))
+    cases = [
+        (dict(k_descale=blocks, descale_block_rows=16), "descale_block_rows"),
+        (dict(sinks=jnp.zeros((4,))), "sinks"),
+        (dict(q_segment_ids=jnp.ones((2, 16), jnp.int32),
+              kv_segment_ids=jnp.ones((2, 24), jnp.int32)), "segment ids"),
+    ]
+    for kw, fragment in cases:
+        with pytest.raises((RuntimeError, ValueError)) as err:
+            jax.eval_shape(lambda q, k: flash_attention(q, k, k, implementation="cuda", **kw),
+                           Q8, K8)
+        assert "implementation='cuda'" in str(err.value) and fragment in str(err.value)
+        text = jax.jit(lambda q, k: flash_attention(q, k, k, **kw)).lower(Q8, K8).as_text()
+        assert "jax_fa3_fwd" not in text  # neither kernel target: the portable FP8 path
+    assert jax_fa3._validate.kernel_input_reason(F8, 128) is None
+    assert "multiple of 16" in jax_fa3._validate.kernel_input_reason(F8, 40)
+    if jax_fa3._ffi.extension_reason() is not None:  # no kernel here: "cuda" says why
+        with pytest.raises(RuntimeError, match="implementation='cuda'"):
+            jax.eval_shape(lambda q, k: flash_attention(q, k, k, implementation="cuda"), Q8, K8)
+    for impl in (None, "xla"):  # never the bf16 kernels' custom call
         text = jax.jit(lambda q, k: flash_attention(q, k, k, implementation=impl)).lower(
             Q8, K8).as_text()
-        assert "jax_fa3_fwd" not in text
+        assert "@jax_fa3_fwd(" not in text
+        if impl == "xla" or jax_fa3._ffi.extension_reason() is not None:
+            assert "jax_fa3_fwd_fp8" not in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_blocks_emulation_is_the_same_attention(causal):
+    """portable_fp8 on the kernel's key blocks (aligned, last to first) computes the same
+    attention, within the FP8 bound; only where P is rounded moves."""
+    from jax_fa3 import portable_fp8
+    b, sq, sk, hq, hkv, d = 1, 50, 200, 2, 1, 64
+    q8, qd, k8, kd, v8, vd = _fp8_inputs(6, b, sq, sk, hq, hkv, d)
+    kw = dict(softmax_scale=d ** -0.5, right=0 if causal else jax_fa3._masks.UNBOUNDED)
+    out, lse = portable_fp8.forward(q8, k8, v8, (qd, kd, vd), block_k=64, kernel_blocks=True,
+                                    **kw)
+    opts = dict(causal=causal)
+    _check_fp8("kernel blocks", q8, qd, k8, kd, v8, vd, 64, out, lse, **opts)
 
 
 def test_fp8_is_not_differentiable():

@@ -49,6 +49,21 @@ def test_cases_cover_every_option(dtype, d):
         assert any(c.name == "tail-split" for c in cases)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_cases(d, portable):
+    """Forward-only FP8 cases on the FP8 kernel's own head dim: both tiles, causal with rows
+    that see no key, window + softcap, GQA and MQA, v's own head dim (a multiple of 16); one runs."""
+    cases = sanitize_cases.fp8_cases_for(d)
+    assert all(c.dtype == "float8_e4m3fn" and c.d == d and c.head_dim_v % 16 == 0 for c in cases)
+    assert any(not c.causal and c.window == (-1, -1) for c in cases)
+    assert any(c.causal and c.sq > c.sk for c in cases) and any(c.window != (-1, -1) for c in cases)
+    assert any(c.softcap for c in cases) and any(c.hkv == 1 < c.hq for c in cases)
+    assert any(c.head_dim_v != c.d for c in cases)
+    if d == 64:
+        assert sanitize_cases.run_case(sanitize_cases.Case("fp8", "float8_e4m3fn", 64, 1, 37, 50, 4, 2,
+                                                           causal=True)) >= 0.0
+
+
 def test_parts_split_the_set_without_loss():
     cases = [c for d in HEAD_DIMS for c in sanitize_cases.cases_for("bfloat16", d)]
     parts = [cases[i::3] for i in range(3)]

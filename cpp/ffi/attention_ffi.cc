@@ -28,7 +28,8 @@ ffi::Error element_dtype(ffi::AnyBuffer q, DType* out) {
   switch (q.element_type()) {
     case ffi::DataType::BF16: *out = DType::kBF16; return ffi::Error::Success();
     case ffi::DataType::F16: *out = DType::kFP16; return ffi::Error::Success();
-    default: return invalid("q must be bfloat16 or float16 for the Hopper kernel");
+    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return ffi::Error::Success();
+    default: return invalid("q must be bfloat16, float16 or float8_e4m3fn for the Hopper kernel");
   }
 }
 
@@ -77,10 +78,14 @@ ffi::Error attention_shape(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
-// The (b, sq, hq, head_dim_v) shape of out and dout.
+// The (b, sq, hq, head_dim_v) shape of out and dout, and their dtype: q's, or bfloat16 for FP8 q.
 ffi::Error check_out_shape(const char* name, ffi::AnyBuffer x, ffi::AnyBuffer q, const AttentionShape& s) {
   auto d = x.dimensions();
-  if (x.element_type() != q.element_type()) return invalid(std::string(name) + " must have the dtype of q");
+  if (q.element_type() == ffi::DataType::F8E4M3FN) {
+    if (x.element_type() != ffi::DataType::BF16) return invalid(std::string(name) + " must be bfloat16 for FP8 q");
+  } else if (x.element_type() != q.element_type()) {
+    return invalid(std::string(name) + " must have the dtype of q");
+  }
   if (d.size() != 4 || d[0] != s.batch || d[1] != s.seqlen_q || d[2] != s.heads_q || d[3] != s.head_dim_v)
     return invalid(std::string(name) + " has shape " + dims_str(d) + ", expected (batch, seqlen_q, heads_q, " +
                    "head_dim of v) = (" + std::to_string(s.batch) + ", " + std::to_string(s.seqlen_q) + ", " +
@@ -146,44 +151,90 @@ ffi::Error device_sms(int* num_sms) {
   return ffi::Error::Success();
 }
 
+// What every forward checks and fills, whatever its element type: shapes, options, out, lse, a
+// compiled kernel, the device.
+ffi::Error fwd_common(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                      ffi::Buffer<ffi::F32> lse, float softmax_scale, float softcap, int32_t window_left,
+                      int32_t window_right, FwdParams* p) {
+  if (auto e = attention_shape(q, k, v, &p->dtype, &p->shape); e.failure()) return e;
+  if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p->opts); e.failure())
+    return e;
+  if (auto e = check_out_shape("out", out, q, p->shape); e.failure()) return e;
+  auto ld = lse.dimensions();
+  if (ld.size() != 3 || ld[0] != p->shape.batch || ld[1] != p->shape.heads_q || ld[2] != p->shape.seqlen_q)
+    return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
+  if (fwd_kernel_head_dim(p->dtype, p->shape.head_dim, p->shape.head_dim_v) == 0)
+    return invalid("no forward kernel compiled for " + head_dims_str(p->shape) +
+                   " and this dtype (see jax_fa3.build_info())");
+  if (auto e = device_sms(&p->num_sms); e.failure()) return e;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->out = out.untyped_data();
+  p->lse = lse.typed_data();
+  return ffi::Error::Success();
+}
+
+// The workspace result (the dynamic schedule's tile counter), then the launch.
+ffi::Error fwd_launch(FwdParams& p, ffi::Buffer<ffi::S32> workspace, cudaStream_t stream) {
+  if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
+    if (workspace.size_bytes() < bytes)
+      return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
+                     std::to_string(workspace.size_bytes()));
+    p.workspace = workspace.untyped_data();
+  }
+  if (auto err = run_fwd(p, stream); err != cudaSuccess) return cuda_error("forward launch", err);
+  return ffi::Error::Success();
+}
+
 ffi::Error FwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::F32> sinks, ffi::Buffer<ffi::S32> q_rows, ffi::Buffer<ffi::S32> q_groups,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                    ffi::Result<ffi::Buffer<ffi::S32>> workspace, float softmax_scale, float softcap,
                    int32_t window_left, int32_t window_right) {
   FwdParams p;
-  if (auto e = attention_shape(q, k, v, &p.dtype, &p.shape); e.failure()) return e;
-  if (auto e = attention_options(softmax_scale, softcap, window_left, window_right, &p.opts); e.failure())
+  if (q.element_type() == ffi::DataType::F8E4M3FN)
+    return invalid("float8_e4m3fn q goes to the FP8 forward target (jax_fa3_fwd_fp8), with its descales");
+  if (auto e = fwd_common(q, k, v, *out, *lse, softmax_scale, softcap, window_left, window_right, &p); e.failure())
     return e;
-  if (auto e = check_out_shape("out", *out, q, p.shape); e.failure()) return e;
   auto sd = sinks.dimensions();
   if (sd.size() != 1 || (sd[0] != 0 && sd[0] != p.shape.heads_q))
     return invalid("sinks must be float32 (heads_q,) = (" + std::to_string(p.shape.heads_q) + ",) or empty, got " +
                    dims_str(sd));
-  auto ld = lse->dimensions();
-  if (ld.size() != 3 || ld[0] != p.shape.batch || ld[1] != p.shape.heads_q || ld[2] != p.shape.seqlen_q)
-    return invalid("lse must be float32 (batch, heads, seqlen_q), got " + dims_str(ld));
-  if (fwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v) == 0)
-    return invalid("no forward kernel compiled for " + head_dims_str(p.shape) +
-                   " and this dtype (see jax_fa3.build_info())");
-  if (auto e = device_sms(&p.num_sms); e.failure()) return e;
-  p.q = q.untyped_data();
-  p.k = k.untyped_data();
-  p.v = v.untyped_data();
-  p.out = out->untyped_data();
-  p.lse = lse->typed_data();
   p.sinks = sd[0] == 0 ? nullptr : sinks.typed_data();
   if (auto e = side_bands("q", q_rows, q_groups, p.shape.batch, p.shape.seqlen_q, &p.docs.q_rows, &p.docs.q_groups);
       e.failure())
     return e;
-  if (size_t bytes = fwd_workspace_bytes(p); bytes > 0) {
-    if (workspace->size_bytes() < bytes)
-      return invalid("workspace must hold " + std::to_string(bytes) + " bytes, got " +
-                     std::to_string(workspace->size_bytes()));
-    p.workspace = workspace->untyped_data();
-  }
-  if (auto err = run_fwd(p, stream); err != cudaSuccess) return cuda_error("forward launch", err);
+  return fwd_launch(p, *workspace, stream);
+}
+
+// One FP8 descale operand: float32 (batch, heads).
+ffi::Error descale(const char* name, ffi::Buffer<ffi::F32> x, int batch, int heads, const float** data) {
+  auto d = x.dimensions();
+  if (d.size() != 2 || d[0] != batch || d[1] != heads)
+    return invalid(std::string(name) + " must be float32 (batch, heads) = (" + std::to_string(batch) + ", " +
+                   std::to_string(heads) + "), got " + dims_str(d));
+  *data = x.typed_data();
   return ffi::Error::Success();
+}
+
+// The FP8 (e4m3) forward: q, k, v float8_e4m3fn, out bfloat16, no sinks or documents.
+ffi::Error FwdFp8Impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::F32> q_descale, ffi::Buffer<ffi::F32> k_descale,
+                      ffi::Buffer<ffi::F32> v_descale, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse, ffi::Result<ffi::Buffer<ffi::S32>> workspace,
+                      float softmax_scale, float softcap, int32_t window_left, int32_t window_right) {
+  FwdParams p;
+  if (q.element_type() != ffi::DataType::F8E4M3FN) return invalid("q must be float8_e4m3fn for the FP8 forward");
+  if (auto e = fwd_common(q, k, v, *out, *lse, softmax_scale, softcap, window_left, window_right, &p); e.failure())
+    return e;
+  const AttentionShape& s = p.shape;
+  if (s.head_dim % 16 != 0 || s.head_dim_v % 16 != 0)  // TMA: 16-byte rows of one-byte elements
+    return invalid("FP8 head dims must be multiples of 16, got " + head_dims_str(s));
+  if (auto e = descale("q_descale", q_descale, s.batch, s.heads_q, &p.q_descale); e.failure()) return e;
+  if (auto e = descale("k_descale", k_descale, s.batch, s.heads_kv, &p.k_descale); e.failure()) return e;
+  if (auto e = descale("v_descale", v_descale, s.batch, s.heads_kv, &p.v_descale); e.failure()) return e;
+  return fwd_launch(p, *workspace, stream);
 }
 
 ffi::Error BwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
@@ -264,6 +315,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv)
         .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
         .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes): tile counter
+        .Attr<float>("softmax_scale")
+        .Attr<float>("softcap")
+        .Attr<int32_t>("window_left")
+        .Attr<int32_t>("window_right"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    fa3_fwd_fp8, fa3::FwdFp8Impl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream for this op
+        .Arg<ffi::AnyBuffer>()                     // q    (b, sq, hq, d) float8_e4m3fn
+        .Arg<ffi::AnyBuffer>()                     // k    (b, sk, hkv, d) float8_e4m3fn
+        .Arg<ffi::AnyBuffer>()                     // v    (b, sk, hkv, dv) float8_e4m3fn
+        .Arg<ffi::Buffer<ffi::F32>>()              // q_descale (b, hq)
+        .Arg<ffi::Buffer<ffi::F32>>()              // k_descale (b, hkv)
+        .Arg<ffi::Buffer<ffi::F32>>()              // v_descale (b, hkv)
+        .Ret<ffi::AnyBuffer>()                     // out  (b, sq, hq, dv) bfloat16
+        .Ret<ffi::Buffer<ffi::F32>>()              // lse  (b, hq, sq)
+        .Ret<ffi::Buffer<ffi::S32>>()              // workspace (kFwdWorkspaceBytes)
         .Attr<float>("softmax_scale")
         .Attr<float>("softcap")
         .Attr<int32_t>("window_left")

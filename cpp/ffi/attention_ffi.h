@@ -4,4 +4,5 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(fa3_fwd);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(fa3_fwd_fp8);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(fa3_bwd);

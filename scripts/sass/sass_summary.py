@@ -1,4 +1,4 @@
-"""Per-kernel summary of a cuobjdump -sass listing: HGMMA count, local-memory instructions
+"""Per-kernel summary of a cuobjdump -sass listing: HGMMA / QGMMA (FP8) counts, local-memory instructions
 (LDL/STL: spills), the highest register used, and the order of WGMMA waits against the softmax
 exponentials in each loop (a wait of P V before the exp2s means no intra-warpgroup overlap).
 Usage: python3 sass_summary.py file.sass"""
@@ -24,6 +24,7 @@ def main(path):
     for f, ins in funcs.items():
         text = [i for _, i in ins]
         hg = sum("HGMMA" in t for t in text)
+        qg = sum("QGMMA" in t for t in text)
         local = sum(bool(re.search(r"\b(LDL|STL)\b", t)) for t in text)
         regs = [int(r) for t in text for r in re.findall(r"\bR(\d+)\b", t)]
         # Innermost loops with WGMMA (backward branches whose body holds no other loop): does a
@@ -39,7 +40,7 @@ def main(path):
             if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
                 continue
             body = [s for a, s in ins if lo <= a <= hi]
-            last_mma = max((k for k, s in enumerate(body) if "HGMMA" in s), default=None)
+            last_mma = max((k for k, s in enumerate(body) if "HGMMA" in s or "QGMMA" in s), default=None)
             if last_mma is None:
                 continue
             ex2 = [k for k, s in enumerate(body) if "MUFU.EX2" in s and k > last_mma]
@@ -48,7 +49,8 @@ def main(path):
             blocked = any("DEPBAR.LE gsb0, 0x0" in s for s in body[last_mma:ex2[0]])
             loops.append(f"[{lo:#x}-{hi:#x}]: {len(body)} instructions, {len(ex2)} exp2, softmax "
                          + ("waits for P V (no overlap)" if blocked else "overlaps P V"))
-        print(f"{short(f)}: HGMMA={hg} LDL/STL={local} maxreg=R{max(regs) if regs else 0}")
+        print(f"{short(f)}: HGMMA={hg}" + (f" QGMMA={qg}" if qg else "") +
+              f" LDL/STL={local} maxreg=R{max(regs) if regs else 0}")
         for l in loops:
             print("   loop", l)
 

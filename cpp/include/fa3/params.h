@@ -7,7 +7,8 @@
 
 namespace fa3 {
 
-enum class DType : int { kBF16 = 0, kFP16 = 1 };
+// kE4M3: float8_e4m3fn q, k, v (forward only); its out is bfloat16 (FwdParams::out).
+enum class DType : int { kBF16 = 0, kFP16 = 1, kE4M3 = 2 };
 
 // Shapes shared by forward and backward. Tensors are dense row-major:
 //   q, dq     : (batch, seqlen_q, heads_q,  head_dim)
@@ -94,6 +95,12 @@ struct FwdParams {
   // zero (gpt-oss). The LSE includes it; the backward needs only that LSE.
   const float* sinks = nullptr;
   DocBands docs;  // packed documents, or none (the forward reads q_rows and q_groups)
+  // kE4M3 only, float32: x = x_fp8 * descale. q_descale (batch, heads_q), k_descale and v_descale
+  // (batch, heads_kv); scores are (q_fp8 k_fp8^T) * q_descale * k_descale * softmax_scale and O is
+  // scaled by v_descale. Per-block descales are not taken (jax_fa3 runs them on the portable path).
+  const float* q_descale = nullptr;
+  const float* k_descale = nullptr;
+  const float* v_descale = nullptr;
   // Device memory of at least fwd_workspace_bytes() (0: none needed): the FFI call's workspace
   // result, so that the handler needs no scratch allocator and stays command-buffer compatible.
   void* workspace = nullptr;

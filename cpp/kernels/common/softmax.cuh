@@ -7,6 +7,9 @@
 // Row sums stay per thread (each thread holds a quarter of a row) until finalize(), which
 // reduces them over the quad. Rows that have seen no visible key keep m = -inf: their P is 0,
 // alpha is 1, and finalize() gives O = 0 and LSE = -inf (never NaN).
+// kMaxOffset (FP8, FA3's max offset 8): P = exp2(S * scale_log2 - m_new * scale_log2 + 8) lies in
+// [0, 2^8], so that P rounded to e4m3 keeps small probabilities in its normal range; l sums that
+// unrounded P, and finalize() takes the 2^8 back out of the LSE (O / l is unchanged by it).
 #pragma once
 
 #include <cmath>
@@ -39,7 +42,7 @@ CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
   for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
 }
 
-template <int kRows>
+template <int kRows, int kMaxOffset = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums
@@ -88,9 +91,10 @@ struct OnlineSoftmax {
       }
       row_max[r] = m;
       float sum = kFirst ? 0.f : row_sum[r];
+      float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
-        float x = fmaf(s(r, c), scale_log2, -m_scaled);
+        float x = fmaf(s(r, c), scale_log2, -m_exp);
         s(r, c) = exp2f(x);
         sum += s(r, c);
       }
@@ -110,6 +114,7 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) {
       float l = quad_sum(row_sum[r]);
       float m = row_max[r] * scale_log2;  // -inf for a row with no key
+      if constexpr (kMaxOffset != 0) m -= float(kMaxOffset);
       float o_scale = 1.f;
       if (sink_log2 != -INFINITY) {
         float const top = fmaxf(m, sink_log2);

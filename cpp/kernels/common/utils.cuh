@@ -65,6 +65,51 @@ CUTE_DEVICE void convert_into(TIn const& in, TOut& out) {
       conv(*reinterpret_cast<cutlass::Array<From, N> const*>(in.data()));
 }
 
+// FP8: P as the A operand of an e4m3 RS WGMMA (K = 32 per instruction) without leaving
+// registers. A thread (quad lane q, rows r and r + 8) holds, per 16 accumulator columns,
+// c0..c7 = (r, 2q..2q+1), (r+8, 2q..2q+1), (r, 8+2q..), (r+8, 8+2q..) (the layout above). An 8-bit
+// A register holds 4 consecutive k of one row: k = 4q..4q+3 of row r, of row r + 8, then the
+// same 16 k further (CuTe's ALayout_64x32 for 8-bit types). So the keys of each 16-key chunk are
+// permuted: A slot 4q + e holds key 2q + e and slot 4q + 2 + e key 8 + 2q + e (e = 0, 1). Then
+// the 4 values of an A register are already in the thread: (c0, c1, c4, c5) for row r and
+// (c2, c3, c6, c7) for row r + 8. The V transpose (fwd_transpose.cuh) stores V's keys with the
+// same permutation, so P V, a sum over keys, is unchanged.
+CUTE_HOST_DEVICE constexpr int fp8_key_slot(int key) {  // key of a 16-key chunk -> its A slot
+  return (key % 8) / 2 * 4 + (key / 8) * 2 + key % 2;
+}
+
+// The register layout of P as that A operand, (MMA = (4 k, 2 rows, 2 k16), MMA_M = 1, kBlockN / 32)
+// compact, for an fp32 accumulator layout `l` of kBlockN columns.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_fp8_operand_a(Layout const& l) {
+  constexpr int kRegs = decltype(size(l))::value;  // kBlockN / 2 per thread
+  static_assert(kRegs % 16 == 0, "kBlockN must be a multiple of 32");
+  return make_layout(Shape<Shape<_4, _2, _2>, _1, Int<kRegs / 16>>{});
+}
+
+// acc (fp32, kBlockN columns) -> a (e4m3, acc_as_fp8_operand_a), rounded to nearest, saturating.
+template <class TIn, class TOut>
+CUTE_DEVICE void convert_into_fp8_operand_a(TIn const& acc, TOut& a) {
+  constexpr int kRegs = decltype(cosize(acc.layout()))::value;
+  static_assert(decltype(cosize(a.layout()))::value == kRegs, "fragment sizes differ");
+  float const* c = acc.data();
+  uint32_t* out = reinterpret_cast<uint32_t*>(a.data());
+  cutlass::NumericArrayConverter<cutlass::float_e4m3_t, float, 4> conv;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kRegs / 8; ++j) {  // 16-column chunks
+    CUTLASS_PRAGMA_UNROLL
+    for (int h = 0; h < 2; ++h) {  // rows r, r + 8
+      cutlass::Array<float, 4> x;
+      x[0] = c[8 * j + 2 * h];
+      x[1] = c[8 * j + 2 * h + 1];
+      x[2] = c[8 * j + 2 * h + 4];
+      x[3] = c[8 * j + 2 * h + 5];
+      cutlass::Array<cutlass::float_e4m3_t, 4> y = conv(x);
+      out[2 * j + h] = reinterpret_cast<uint32_t const&>(y);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The widest swizzle atom for a K-major shared-memory tile whose contiguous (K) extent is
 // kK elements: 128-byte rows when possible (fewest bank conflicts for TMA and WGMMA).

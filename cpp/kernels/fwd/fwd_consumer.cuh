@@ -5,7 +5,12 @@
 // Q K^T of block n is issued together with the P V of block n + 1, and the softmax of block n
 // runs while that P V is in flight. With kPingPong the warpgroups also take turns to issue their
 // GEMMs, so that one's softmax overlaps the others' GEMMs.
+// FP8 (T::kFp8): the descales join the softmax scale per tile, P becomes the e4m3 A operand in
+// registers (common/utils.cuh, convert_into_fp8_operand_a), V comes transposed from its own ring
+// (fwd_transpose.cuh; pipe_v is that ring), and v's descale joins O's final scale.
 #pragma once
+
+#include <cfloat>
 
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
@@ -54,9 +59,31 @@ struct FwdTileMask {
   }
 };
 
+// The smem of V as the P V GEMM's B operand: V's own tiles, or FP8's transposed copy.
 template <class T>
+CUTE_DEVICE typename T::Element* fwd_vt_smem(typename T::SharedStorage& ss) {
+  if constexpr (T::kFp8) return ss.vt.data();
+  else return ss.v.data();
+}
+
+// Descales of one (batch, head) for FP8 (1 otherwise: nothing is read).
+struct FwdTileDescale {
+  float qk = 1.f;  // q_descale * k_descale: a factor of the scores
+  float v = 1.f;   // v_descale: a factor of O
+
+  template <class P>
+  CUTE_DEVICE static FwdTileDescale of(P const& p, TileCoord const& c) {
+    FwdTileDescale d;
+    int const hk = c.head / p.group;
+    d.qk = p.q_descale[c.batch * p.heads_q + c.head] * p.k_descale[c.batch * p.heads_kv + hk];
+    d.v = p.v_descale[c.batch * p.heads_kv + hk];
+    return d;
+  }
+};
+
+template <class T, class PipeV>
 CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedStorage& ss,
-                              typename T::Pipeline& pipe_k, typename T::Pipeline& pipe_v, int wg) {
+                              typename T::Pipeline& pipe_k, PipeV& pipe_v, int wg) {
   using Element = typename T::Element;
   using D = typename T::D;
   using BN = typename T::BN;
@@ -64,7 +91,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   int const tid = threadIdx.x % 128;  // thread in this warpgroup
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+  Tensor sVt = make_tensor(make_smem_ptr(fwd_vt_smem<T>(ss)), typename T::SmemLayoutVt{});
 
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
@@ -75,18 +102,21 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, n/16, stages)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<_64, BN>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<_64, D>{});
-  Tensor tOrP = make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  Tensor tOrP = [&]() {
+    if constexpr (T::kFp8) return make_tensor<Element>(acc_as_fp8_operand_a(tSrS.layout()));
+    else return make_tensor<Element>(acc_as_operand_a(tSrS.layout()));
+  }();
   Tensor S = rowcol_view(tSrS);
   Tensor O = rowcol_view(tOrO);
   Tensor cS = rowcol_view(thr_qk.partition_C(make_identity_tensor(Shape<_64, BN>{})));
   constexpr int kRows = decltype(size<0>(S))::value;
   static_assert(kRows == 2);
 
-  OnlineSoftmax<kRows> softmax(p.scale.scale_log2);
+  OnlineSoftmax<kRows, T::kFp8 ? 8 : 0> softmax(p.scale.scale_log2);
   FwdQConsumer<T> q{ss};
   typename T::PipelineState read;  // of both rings (fwd_pipeline.cuh); consumers start at phase 0
   bool const softcap = p.scale.softcap;
-  float const pre_tanh = p.scale.pre_tanh;
+  float pre_tanh = p.scale.pre_tanh;
   FwdPingPong<T::kNumMmaWG, T::kPingPong> const pingpong{wg};
   pingpong.start();
 
@@ -100,6 +130,14 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     FwdTile tile;
     if (!q.next_tile(p, dynamic, num_tiles, t, tile)) break;
     if constexpr (!T::kQPrefetch) tile = fwd_tile<T>(p, t);  // the consumers decode it themselves
+    FwdTileDescale descale;
+    if constexpr (T::kFp8) {  // the scores' factor goes where the softmax scale is (softcap: inside tanh)
+      descale = FwdTileDescale::of(p, tile.c);
+      // A zero descale would make a masked score's exponent -inf * 0 = NaN; the smallest normal
+      // scale gives what the portable path does, uniform weights.
+      if (softcap) pre_tanh = p.scale.pre_tanh * descale.qk;
+      else softmax.scale_log2 = fmaxf(p.scale.scale_log2 * descale.qk, FLT_MIN);
+    }
     // This tile's Q slab descriptors.
     auto tSrQ = [&]() {
       if constexpr (T::kQPrefetch) return thr_qk.partition_fragment_A(sQ(_, _, tile.buf * T::kNumMmaWG + wg));
@@ -158,7 +196,8 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
         if (!__all_sync(0xffffffffu, same_max)) scale_rows(O, alpha);
-        convert_into(tSrS, tOrP);
+        if constexpr (T::kFp8) convert_into_fp8_operand_a(tSrS, tOrP);
+        else convert_into(tSrS, tOrP);
       };
       CUTLASS_PRAGMA_NO_UNROLL
       for (--n; n >= n_begin; --n) {
@@ -201,6 +240,10 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
       for (int r = 0; r < kRows; ++r) {
         if (p.docs.row_invalid(tile.c.batch, wrow_lo + get<0>(cS(r, 0)))) inv_sum[r] = lse[r] = NAN;
       }
+    }
+    if constexpr (T::kFp8) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) inv_sum[r] *= descale.v;
     }
     scale_rows(O, inv_sum);
     fwd_epilogue<T>(p, tile.c, wrow_lo, tid, lse, O, cS, thr_pv);

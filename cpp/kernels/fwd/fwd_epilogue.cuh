@@ -1,5 +1,5 @@
 // The forward epilogue: the stores of one consumer warpgroup's 64 query rows. O (already
-// divided by the row sums) is converted to the element type and stored straight from the
+// divided by the row sums) is converted to the output element type (the input's; bf16 for FP8) and stored straight from the
 // accumulator registers to global memory (no shared-memory staging, so the Q slabs are free from
 // the tile's last Q K^T on); the LSE in fp32. Rows past seqlen_q and columns past out's head dim
 // (head_dim_v, a multiple of 8 up to kHeadDim) are not stored.
@@ -17,7 +17,7 @@ namespace fa3 {
 template <class T, int kRows, class TO, class TC, class ThrMma>
 CUTE_DEVICE void fwd_epilogue(typename T::Params const& p, TileCoord const& c, int wrow_lo, int tid,
                               float const (&lse)[kRows], TO& O, TC const& cS, ThrMma const& thr_pv) {
-  using Element = typename T::Element;
+  using Element = typename T::OutElement;
   if (tid % 4 == 0) {  // the quad shares its rows' LSE
     float* lse_bh = p.lse + (int64_t(c.batch) * p.heads_q + c.head) * p.seqlen_q;
     CUTLASS_PRAGMA_UNROLL

@@ -3,7 +3,8 @@
 // One CTA = 1 producer warpgroup + kNumMmaWG (2 or 3) consumer warpgroups, one CTA per SM,
 // persistent over output tiles of kBlockM query rows of one (batch, head) (common/scheduler.cuh):
 //   * producer (fwd_producer.cuh; one thread, registers lowered with setmaxnreg): TMA loads of
-//     Q and of the K / V blocks;
+//     Q and of the K / V blocks; for FP8 the other three warps of its warpgroup transpose V
+//     (fwd_transpose.cuh);
 //   * consumers (fwd_consumer.cuh; registers raised): 64 query rows each, Q K^T, mask, online
 //     softmax, P V, then the epilogue (fwd_epilogue.cuh);
 //   * their synchronisation (K / V rings, Q hand-off, ping-pong barriers): fwd_pipeline.cuh;
@@ -16,6 +17,7 @@
 #include "fwd/fwd_pipeline.cuh"
 #include "fwd/fwd_producer.cuh"
 #include "fwd/fwd_traits.cuh"
+#include "fwd/fwd_transpose.cuh"
 
 namespace fa3 {
 
@@ -33,15 +35,20 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
   }
   typename T::Pipeline::Params const pp = fwd_kv_pipeline_params<T>(warp_group);
   typename T::Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
-  typename T::Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_v(ss.pipe_v, fwd_kv_pipeline_params<T>(warp_group, true), Shape<_1, _1, _1>{});
+  auto pipe_vt = fwd_vt_pipeline<T>(ss, warp_group);
   __syncthreads();
 
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
+    if constexpr (T::kFp8) {
+      if (threadIdx.x >= 32) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
+    if constexpr (T::kFp8) fwd_consumer<T>(p, ss, pipe_k, pipe_vt, warp_group - 1);
+    else fwd_consumer<T>(p, ss, pipe_k, pipe_v, warp_group - 1);
   }
 }
 

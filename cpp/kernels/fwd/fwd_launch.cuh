@@ -96,6 +96,31 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
   using narrow = typename FwdTileTableLarge<E, 256, 64>::full;
 };
 
+// FP8 (e4m3; first version, tiles chosen to fit, not measured): 128 query rows on two consumer
+// warpgroups (the V transposers take the producer warpgroup's spare warps, which three consumer
+// warpgroups' register split would starve), kBlockN a multiple of 32 (the P V WGMMA's K). Shared
+// memory per stage is K + V + transposed V, each kBlockN x d bytes. Ping-pong as for bf16.
+//   d = 64: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; registers O 32 + S 64 + P 16.
+//   d = 128: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
+//   d = 256: 128 x 64, 3 stages: 2 x 32 + 3 x 48 = 208 KB; O 128 + S 32 + P 8 (a 128-key block
+//   would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers).
+using Fp8 = cutlass::float_e4m3_t;
+template <>
+struct FwdTileTable<Fp8, 64> {
+  using full = FwdTraits<Fp8, 64, 128, 128, 4, true, false>;
+  using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
+};
+template <>
+struct FwdTileTable<Fp8, 128> {
+  using full = FwdTraits<Fp8, 128, 128, 128, 3, true, false>;
+  using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
+};
+template <>
+struct FwdTileTable<Fp8, 256> {
+  using full = FwdTraits<Fp8, 256, 128, 64, 3, false, false>;
+  using banded = FwdTraits<Fp8, 256, 128, 64, 3, false, true>;
+};
+
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
 // tile_counter: FwdParams::workspace, fwd_workspace_bytes() of the FFI call's small workspace
 // result, zeroed by a memset before the kernel) instead of one CTA per tile: the same greedy
@@ -151,11 +176,14 @@ typename T::Params make_fwd_params(const FwdParams& fp) {
       BandMask{s.seqlen_q, s.seqlen_k, fp.opts.window_left, fp.opts.window_right},
       SoftmaxScale::make(fp.opts.softmax_scale, fp.opts.softcap),
       fp.lse,
-      static_cast<Element*>(fp.out),
+      static_cast<typename T::OutElement*>(fp.out),
       s.head_dim_v,
       fp.sinks,
       sched,
       DocMask::of(fp.docs, s.seqlen_q, s.seqlen_k),
+      fp.q_descale,
+      fp.k_descale,
+      fp.v_descale,
   };
   return p;
 }
@@ -244,7 +272,12 @@ cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
     return launch_fwd<Full>(fp, stream);
   }
   // Documents bound each row's keys by their length, unknown here: the regular banded tile.
-  if (fp.docs.present()) return launch_fwd<FwdDocsTraits<typename Table::banded>>(fp, stream);
+  // FP8 kernels take no documents (the FFI handler rejects them).
+  if constexpr (Table::banded::kFp8) {
+    if (fp.docs.present()) return cudaErrorNotSupported;
+  } else {
+    if (fp.docs.present()) return launch_fwd<FwdDocsTraits<typename Table::banded>>(fp, stream);
+  }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return launch_fwd<typename Long::type>(fp, stream);
   return launch_fwd<typename Table::banded>(fp, stream);

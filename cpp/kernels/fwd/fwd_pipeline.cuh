@@ -28,15 +28,38 @@ template <int kStages>
 using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
 
 // Parameters of the K and V rings: warpgroup 0 produces, the others consume; every thread
-// constructs the rings, and thread 0 initialises their barriers.
+// constructs the rings, and thread 0 initialises their barriers. FP8's V ring (v_ring) is
+// consumed by the V transposers (warps 1-3 of warpgroup 0, fwd_transpose.cuh) instead.
 template <class T>
-CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group) {
+CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group, bool v_ring = false) {
+  using Role = typename T::Pipeline::ThreadCategory;
   typename T::Pipeline::Params pp;
   pp.transaction_bytes = T::kBlockN * T::kHeadDim * int(sizeof(typename T::Element));
-  pp.role = warp_group == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
+  pp.role = warp_group == 0 ? Role::Producer : Role::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = T::kNumMmaThreads;
+  if (T::kFp8 && v_ring) {
+    pp.role = warp_group != 0 ? Role::NonParticipant : threadIdx.x < 32 ? Role::Producer : Role::Consumer;
+    pp.num_consumers = T::kNumTransposeThreads;
+  }
   return pp;
+}
+
+// FP8's transposed V ring (fwd_transpose.cuh): the transposers produce, the consumer warpgroups
+// consume. Other kernels get an empty placeholder.
+struct FwdNoPipeline {};
+
+template <class T>
+CUTE_DEVICE auto fwd_vt_pipeline(typename T::SharedStorage& ss, int warp_group) {
+  if constexpr (T::kFp8) {
+    typename T::PipelineVt::Params pp;
+    pp.role = warp_group == 0 ? T::PipelineVt::ThreadCategory::Producer : T::PipelineVt::ThreadCategory::Consumer;
+    pp.producer_arv_count = T::kNumTransposeThreads;
+    pp.consumer_arv_count = T::kNumMmaThreads;
+    return typename T::PipelineVt(ss.pipe_vt, pp);
+  } else {
+    return FwdNoPipeline{};
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

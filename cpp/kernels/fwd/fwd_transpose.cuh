@@ -1,0 +1,107 @@
+// The FP8 forward's V transpose (issue 28). FP8 WGMMA reads its B operand only K-major; for
+// O += P V the K dimension is the keys, while TMA lands V as (n, d) with d contiguous. Warps 1-3
+// of the producer warpgroup (warp 0's first thread issues the TMAs; the rest of the warpgroup
+// idled) copy each V block of the TMA ring (pipe_v: they are its consumers) into the transposed
+// ring SharedStorage::vt, (d, n) with n contiguous, and hand it to the consumer warpgroups
+// through pipe_vt (a cutlass::PipelineAsync: full once all 96 transposer threads have written
+// their part, empty once every consumer thread's P V has completed). Inside each 16-key chunk the
+// keys go to the A-operand slots of P's registers (common/utils.cuh, fp8_key_slot), so that P
+// needs no shuffle. The transposers walk the tiles as the producer does (FP8 kernels keep the
+// static schedule, FwdTraits::kDynamicSchedule), so they know how many blocks each tile has.
+#pragma once
+
+#include "fwd/fwd_pipeline.cuh"
+#include "fwd/fwd_traits.cuh"
+
+namespace fa3 {
+
+// One V block: units of 4 keys x 4 columns. Keys 2q, 2q + 1, 8 + 2q, 9 + 2q of a 16-key chunk
+// fill A slots 4q .. 4q + 3, so a unit reads four 4-byte words (one per key, columns d0 .. d0 + 3)
+// and writes four (one per column, slots 4q .. 4q + 3), the 4 x 4 bytes transposed by byte
+// permutes. A swizzled row keeps each 4-byte group contiguous (the swizzles move 16-byte pieces).
+// The 32 units of a warp take the 4 quads q, 4 neighbouring column groups and 2 neighbouring
+// chunks: of the bit choices for the lanes, the one whose loads and stores both have at most
+// 2-way bank conflicts in every FP8 tile (tests/kernels/fwd_fp8_operand.cu counts them; one warp
+// per chunk, column groups across the lanes, loaded conflict-free but stored 8- to 16-way).
+struct Fp8TransposeUnit {
+  int key0;  // the unit's keys: key0, key0 + 1, key0 + 8, key0 + 9 (key0 = 16 chunk + 2q)
+  int d0;    // its columns d0 .. d0 + 3
+  int slot;  // its first A slot, 16 chunk + 4q (= 16 chunk + fp8_key_slot(2q))
+};
+
+template <int kHeadDim, int kBlockN>
+CUTE_HOST_DEVICE constexpr Fp8TransposeUnit fp8_transpose_unit(int u) {
+  static_assert(kHeadDim % 16 == 0 && kBlockN % 32 == 0);
+  constexpr int kChunkPairs = kBlockN / 32;
+  int const q = u & 3, rest = u >> 5;
+  int const chunk = 2 * (rest % kChunkPairs) + ((u >> 4) & 1);
+  int const group = 4 * (rest / kChunkPairs) + ((u >> 2) & 3);
+  return {16 * chunk + 2 * q, 4 * group, 16 * chunk + 4 * q};
+}
+static_assert(fp8_key_slot(0) == 0 && fp8_key_slot(1) == 1 && fp8_key_slot(8) == 2 && fp8_key_slot(9) == 3);
+
+// __byte_perm, also on the host (tests/kernels/fwd_fp8_operand.cu): byte n of the result is byte
+// (s >> 4n) & 7 of the 8 bytes y:x.
+CUTE_HOST_DEVICE uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  return __byte_perm(x, y, s);
+#else
+  uint64_t const xy = (uint64_t(y) << 32) | x;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n) r |= uint32_t((xy >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
+  return r;
+#endif
+}
+
+// w[i] holds (key i, columns d0 .. d0 + 3) in bytes 0..3; out[j] gets (column d0 + j, keys 0..3).
+CUTE_HOST_DEVICE void transpose_4x4_bytes(uint32_t const (&w)[4], uint32_t (&out)[4]) {
+  uint32_t const lo01 = byte_perm(w[0], w[1], 0x5140), hi01 = byte_perm(w[0], w[1], 0x7362);
+  uint32_t const lo23 = byte_perm(w[2], w[3], 0x5140), hi23 = byte_perm(w[2], w[3], 0x7362);
+  out[0] = byte_perm(lo01, lo23, 0x5410);
+  out[1] = byte_perm(lo01, lo23, 0x7632);
+  out[2] = byte_perm(hi01, hi23, 0x5410);
+  out[3] = byte_perm(hi01, hi23, 0x7632);
+}
+
+template <class T, class TV, class TVt>
+CUTE_DEVICE void fwd_transpose_block(TV const& sV, TVt& sVt, int tid) {
+  constexpr int kUnits = T::kBlockN / 16 * 4 * (T::kHeadDim / 4);  // chunks x quads x column groups
+  CUTLASS_PRAGMA_NO_UNROLL
+  for (int u = tid; u < kUnits; u += T::kNumTransposeThreads) {
+    Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim, T::kBlockN>(u);
+    auto word = [&](int key) { return *reinterpret_cast<uint32_t const*>(&sV(key, x.d0)); };
+    uint32_t const w[4] = {word(x.key0), word(x.key0 + 1), word(x.key0 + 8), word(x.key0 + 9)};
+    uint32_t out[4];
+    transpose_4x4_bytes(w, out);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(&sVt(x.d0 + j, x.slot)) = out[j];
+  }
+}
+
+// Run by the 96 threads of warps 1-3 of warpgroup 0.
+template <class T>
+CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::SharedStorage& ss,
+                                 typename T::Pipeline& pipe_v, typename T::PipelineVt& pipe_vt) {
+  int const tid = threadIdx.x - 32;
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});     // (n, d, stages)
+  Tensor sVt = make_tensor(make_smem_ptr(ss.vt.data()), typename T::SmemLayoutVt{});  // (d, n, stages)
+  typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
+  auto write = cutlass::make_producer_start_state<typename T::PipelineVt>();
+  int const num_tiles = p.sched.num_tiles();
+  for (int t = blockIdx.x; t < num_tiles; t += int(gridDim.x)) {
+    FwdTile const tile = fwd_tile<T>(p, t);
+    for (int n = tile.n_begin; n < tile.n_end; ++n) {
+      pipe_v.consumer_wait(read);
+      pipe_vt.producer_acquire(write);
+      Tensor sVt_w = sVt(_, _, write.index());
+      fwd_transpose_block<T>(sV(_, _, read.index()), sVt_w, tid);
+      cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
+      pipe_vt.producer_commit(write);
+      pipe_v.consumer_release(read);
+      ++read;
+      ++write;
+    }
+  }
+}
+
+}  // namespace fa3

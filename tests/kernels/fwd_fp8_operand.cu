@@ -1,0 +1,125 @@
+// Unit test (host, no GPU) of the FP8 forward's two index maps, for every FP8 tile of the table:
+//   * P to the e4m3 A operand (common/utils.cuh): the A element that convert_into_fp8_operand_a
+//     fills from accumulator register c (of MmaQK's C layout) is, in MmaPV's A layout, at c's row
+//     and at k = 16 (col / 16) + fp8_key_slot(col % 16) of c's column; every A element of the
+//     warpgroup's 64 x kBlockN P is filled once; fp8_key_slot is a permutation of 0..15;
+//   * the V transpose (fwd_transpose.cuh): the units cover each (key, column) of a V block once
+//     and, through transpose_4x4_bytes, put V(key, d) at Vt(d, 16 (key / 16) +
+//     fp8_key_slot(key % 16)), the same permutation, so that P V sums matching pairs; each warp's
+//     4-byte loads from V and stores to Vt (the tiles' swizzled layouts, 32 banks of 4 bytes) have
+//     at most 2-way bank conflicts.
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "fwd/fwd_launch.cuh"
+#include "fwd/fwd_transpose.cuh"
+using namespace cute;
+
+template <class Tr>
+int check_operand() {
+  constexpr int N = Tr::kBlockN;
+  typename Tr::MmaQK mma_qk;
+  typename Tr::MmaPV mma_pv;
+  constexpr int kCByte[4] = {0, 1, 4, 5};  // accumulator registers of an A register's bytes, from 8j + 2h
+  int bad = 0;
+  std::vector<int> seen(64 * N, 0);
+  for (int t = 0; t < 128; ++t) {
+    Tensor cS = mma_qk.get_thread_slice(t).partition_C(make_identity_tensor(Shape<_64, Int<N>>{}));
+    Tensor cA = mma_pv.get_thread_slice(t).partition_A(make_identity_tensor(Shape<_64, Int<N>>{}));
+    auto const a_layout = fa3::acc_as_fp8_operand_a(cS.layout());
+    if (size(cA) != size(cS) || size(a_layout) != size(cS)) ++bad;
+    for (int v = 0; v < 16; ++v) {
+      for (int kb = 0; kb < N / 32; ++kb) {
+        int const idx = a_layout(v, 0, kb);  // byte idx % 4 of A register idx / 4
+        int const reg = idx / 4, j = reg / 2, h = reg % 2;
+        auto const c = cS(8 * j + 2 * h + kCByte[idx % 4]);
+        auto const a = cA(v, 0, kb);
+        int const col = get<1>(c);
+        if (get<0>(a) != get<0>(c) || get<1>(a) != 16 * (col / 16) + fa3::fp8_key_slot(col % 16)) ++bad;
+        seen[get<0>(a) * N + get<1>(a)]++;
+      }
+    }
+  }
+  for (int s : seen) bad += s != 1;
+  return bad;
+}
+
+template <class Tr>
+int check_transpose() {
+  constexpr int N = Tr::kBlockN, D = Tr::kHeadDim;
+  std::vector<uint8_t> v(N * D), vt(D * N, 0);
+  std::vector<int> written(D * N, 0);
+  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
+  constexpr int kUnits = N / 16 * 4 * (D / 4);
+  for (int u = 0; u < kUnits; ++u) {
+    fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D, N>(u);
+    int const keys[4] = {x.key0, x.key0 + 1, x.key0 + 8, x.key0 + 9};
+    uint32_t w[4], out[4];
+    for (int i = 0; i < 4; ++i) {
+      w[i] = 0;
+      for (int e = 0; e < 4; ++e) w[i] |= uint32_t(v[keys[i] * D + x.d0 + e]) << (8 * e);
+    }
+    fa3::transpose_4x4_bytes(w, out);
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) {
+        vt[(x.d0 + j) * N + x.slot + i] = uint8_t(out[j] >> (8 * i));
+        written[(x.d0 + j) * N + x.slot + i]++;
+      }
+  }
+  int bad = 0;
+  for (int w : written) bad += w != 1;
+  for (int key = 0; key < N; ++key)
+    for (int d = 0; d < D; ++d)
+      bad += vt[d * N + 16 * (key / 16) + fa3::fp8_key_slot(key % 16)] != v[key * D + d];
+  return bad;
+}
+
+// The worst bank conflict (distinct 4-byte words in one bank) of a warp's load or store i.
+template <class Tr>
+int worst_bank_conflict() {
+  constexpr int N = Tr::kBlockN, D = Tr::kHeadDim;
+  auto const sV = typename Tr::SmemLayoutK1{};   // (n, d)
+  auto const sVt = typename Tr::SmemLayoutVt{};  // (d, n, stages)
+  constexpr int kUnits = N / 16 * 4 * (D / 4);
+  int worst = 0;
+  for (int u0 = 0; u0 < kUnits; u0 += 32) {  // a warp's units (96 transposers: whole warps)
+    for (int i = 0; i < 4; ++i) {
+      std::map<int, std::set<int>> loads, stores;
+      for (int u = u0; u < std::min(u0 + 32, kUnits); ++u) {
+        fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D, N>(u);
+        int const key = x.key0 + (i & 1) + 8 * (i >> 1);
+        int const ld = int(sV(key, x.d0)) / 4, st = int(sVt(x.d0 + i, x.slot, 0)) / 4;
+        loads[ld % 32].insert(ld);
+        stores[st % 32].insert(st);
+      }
+      for (auto const* banks : {&loads, &stores})
+        for (auto const& b : *banks) worst = std::max(worst, int(b.second.size()));
+    }
+  }
+  return worst;
+}
+
+template <class Tr>
+int check(const char* name) {
+  int const a = check_operand<Tr>(), b = check_transpose<Tr>(), conflict = worst_bank_conflict<Tr>();
+  std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches, bank conflicts %d-way\n", name,
+              Tr::kHeadDim, Tr::kBlockN, a, b, conflict);
+  return a + b + (conflict > 2);
+}
+
+int main() {
+  int bad = 0;
+  std::vector<int> slots(16, 0);
+  for (int k = 0; k < 16; ++k) slots[fa3::fp8_key_slot(k)]++;
+  for (int s : slots) bad += s != 1;
+  using fa3::Fp8;
+  bad += check<fa3::FwdTileTable<Fp8, 64>::full>("hd64 full");
+  bad += check<fa3::FwdTileTable<Fp8, 64>::banded>("hd64 banded");
+  bad += check<fa3::FwdTileTable<Fp8, 128>::full>("hd128 full");
+  bad += check<fa3::FwdTileTable<Fp8, 256>::full>("hd256 full");
+  std::printf(bad ? "FAILED\n" : "OK\n");
+  return bad ? 1 : 0;
+}
