@@ -41,7 +41,12 @@ F8, BF16, F16 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16
 # The FP8 tile table's kBlockN per kernel head dim (cpp/kernels/fwd/fwd_launch.cuh): the oracle
 # runs on the same key blocks.
 KERNEL_BLOCK_N = {64: 128, 128: 128, 256: 64}
-HEAD_DIMS = (64, 128, 256)
+# The hd256 FP8 kernel failed 6 of its 14 head-dim/sequence-length cases in its first H200 run
+# (session 22), so jax_fa3 does not use it yet (jax_fa3/_core.py FP8_KERNEL_HEAD_DIM_CHECKED) and
+# implementation="cuda" raises: these cases check that refusal until the kernel is fixed.
+HD256_OFF = pytest.mark.xfail(raises=ValueError, strict=True,
+                              reason="FP8 hd256 kernel not used: failed its first GPU tests (issue 28)")
+HEAD_DIMS = (64, 128, pytest.param(256, marks=HD256_OFF))
 FLIP = 2.0 ** -3      # kernel vs oracle, every element: both within e4m3's 2^-4 w of exact
 NOISE = 2.0 ** -8     # kernel vs oracle, 98% of the elements (rare rounding flips)
 MEAN = 2.0 ** -10     # kernel vs oracle: the mean excess over one bf16 step, in units of w
@@ -138,13 +143,13 @@ def test_head_dims_and_seqlens(d, sq, sk, causal):
 OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("window", (2, 300, 300, 4, 2, 128, 128), "head", dict(window_size=(37, 5))),
     ("window left only", (1, 200, 500, 2, 2, 64, 64), "head", dict(window_size=(50, -1))),
-    ("causal window", (1, 257, 257, 2, 1, 256, 256), "head", dict(causal=True, window_size=(100, 0))),
+    pytest.param(("causal window", (1, 257, 257, 2, 1, 256, 256), "head", dict(causal=True, window_size=(100, 0))), marks=HD256_OFF),
     ("softcap", (2, 129, 300, 4, 2, 128, 128), "head", dict(softcap=5.0)),
     ("softcap causal", (1, 300, 129, 2, 1, 64, 64), "tensor", dict(causal=True, softcap=2.0)),
     ("empty rows", (2, 300, 100, 2, 1, 128, 128), "head", dict(causal=True)),  # rows < 200 see none
     ("diagonal only", (1, 64, 64, 2, 1, 64, 64), "head", dict(window_size=(0, 0))),
     ("gqa 8", (1, 200, 333, 8, 1, 128, 128), "head", {}),
-    ("gqa 2 causal", (2, 333, 200, 4, 2, 256, 256), "head", dict(causal=True)),
+    pytest.param(("gqa 2 causal", (2, 333, 200, 4, 2, 256, 256), "head", dict(causal=True)), marks=HD256_OFF),
     ("per tensor", (2, 129, 129, 2, 2, 128, 128), "tensor", {}),
     ("dv < d", (1, 100, 150, 2, 1, 64, 32), "head", dict(causal=True)),
     ("scale", (1, 64, 200, 2, 2, 128, 128), "head", dict(softmax_scale=0.02)),
@@ -153,7 +158,11 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
 ]
 
 
-@pytest.mark.parametrize("case", OPTIONS, ids=[c[0] for c in OPTIONS])
+def _case_id(case):
+    return (case.values[0] if hasattr(case, "values") else case)[0]
+
+
+@pytest.mark.parametrize("case", OPTIONS, ids=[_case_id(c) for c in OPTIONS])
 def test_options(case):
     name, (b, sq, sk, hq, hkv, d, dv), granularity, opts = case
     _need(d, dv)
@@ -179,12 +188,15 @@ def test_zero_descale_gives_uniform_weights():
     _check("zero k descale", (q8, qd, k8, jnp.zeros_like(kd), v8, vd), causal=True)
 
 
-def test_none_takes_the_kernel_and_falls_back():
-    """implementation=None lowers to the FP8 kernel; per-block descales go to the portable
-    path (no FP8 custom call) and still match the float64 reference."""
+def test_none_stays_portable_and_cuda_takes_the_kernel():
+    """implementation=None stays on the portable FP8 path until the kernel's whole GPU test file
+    has passed on the H200 (jax_fa3/_core.py resolve_fp8_implementation); "cuda" lowers to the
+    FP8 kernel; per-block descales cannot go to the kernel and "cuda" says why."""
     _need(64)
     q8, qd, k8, kd, v8, vd = _fp8_inputs(3, 1, 64, 64, 2, 1, 64)
     text = jax.jit(lambda q, k, v: flash_attention(q, k, v)).lower(q8, k8, v8).as_text()
+    assert "jax_fa3_fwd_fp8" not in text
+    text = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="cuda")).lower(q8, k8, v8).as_text()
     assert "jax_fa3_fwd_fp8" in text
     q8, qd, k8, kd, v8, vd = _fp8_inputs(3, 1, 64, 64, 2, 1, 64, granularity="block", rows=16)
     fn = lambda q, k, v, kd: flash_attention(q, k, v, k_descale=kd, descale_block_rows=16)
