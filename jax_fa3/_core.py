@@ -221,7 +221,8 @@ def fp8_unsupported(descales, descale_block_rows, sinks, segments, softmax_scale
 
 # Head dims whose FP8 kernel has passed its GPU tests on the H200. Session 22 (the kernel's first
 # run): hd64 and hd128 passed every head-dim/sequence-length case; the hd256 kernel (128 x 64
-# tile) failed 6 of 14, all with at most 129 keys, so calls above 128 stay on the portable path.
+# tile) failed 6 of the 13 cases that finished, all with at most 129 keys, so calls above 128
+# stay on the portable path.
 FP8_KERNEL_HEAD_DIM_CHECKED = 128
 
 
@@ -237,7 +238,7 @@ def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
     if max(q.shape[-1], v.shape[-1]) > FP8_KERNEL_HEAD_DIM_CHECKED:
         unsupported.append(
             f"the FP8 kernel above head dim {FP8_KERNEL_HEAD_DIM_CHECKED} (the hd256 one) failed "
-            "its first GPU tests (6 of 14 cases, all with at most 129 keys), so it is not used "
+            "its first GPU tests (6 of 13 cases, all with at most 129 keys), so it is not used "
             "until it is fixed (issue 28)")
     if implementation is None:
         return "xla"
