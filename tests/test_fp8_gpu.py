@@ -12,10 +12,18 @@ Tolerances, from e4m3's and bf16's precision (p_j: the exact probabilities, v_j 
     descales folded into the scale) moves P_j across an e4m3 rounding boundary, which moves it by
     one e4m3 step, at most 2^-3 P_j. Every element: within 2^-7 |oracle| + 2^-3 w, w =
     sum_j p_j |v_j| (each of the two within e4m3's 2^-4 w of the exact P v). Tight, since flips
-    are rare: 98% of the elements within 2^-7 |oracle| + 2^-8 w, and the mean of the excess over
-    2^-7 |oracle|, in units of w, at most 2^-10. (Calibrated on CPU with the oracle against itself
-    under a relative perturbation of the scores' scale: at 2^-12, far above float32 noise, 0.3-0.8%
-    of the elements exceed 2^-8 w, the mean is 2^-13 w and the worst 2^-4.2 w.)
+    are rare: 98% of the elements within 2^-7 |oracle| + noise(d) w, and the mean of the excess
+    over 2^-7 |oracle|, in units of w, at most 2^-10.
+    The scores' noise is the FP8 WGMMA's, not float32's: each K = 32 step adds its products to
+    the accumulator with about 13 bits kept after aligning them to the largest exponent
+    (truncated), so the noise grows with the d / 32 steps, and flips with it; rows with few keys
+    (each P_j a large share of w) show most of them. noise(d) = 2^-8 d / 64, from
+    scripts/fp8_accum_model.py, a model of the kernel with that accumulation (13 bits): it gives
+    the H200's outcome of this test at 2^-8 everywhere (session 22: every hd64 / hd128 case
+    passed, in the model 98.2% of the elements or more; the six hd256 cases that failed are the
+    model's six lowest, 97.7-98.0%, and the seven that passed 98.2% or more), and at noise(d)
+    98.9% or more in every case of test_head_dims_and_seqlens (with 14 bits: 99.5% at hd128 and
+    hd256).
   * kernel vs float64: fp8_bound (P rounded to e4m3: 2^-4 w and its subnormal term, out's half
     ulp) plus 2^-4 w (the oracle's own share of the difference above).
   * lse: the log of the unrounded row sums, float32 but for the scores' accumulation:
@@ -48,10 +56,15 @@ HD256_OFF = pytest.mark.xfail(raises=ValueError, strict=True,
                               reason="FP8 hd256 kernel not used: failed its first GPU tests (issue 28)")
 HEAD_DIMS = (64, 128, pytest.param(256, marks=HD256_OFF))
 FLIP = 2.0 ** -3      # kernel vs oracle, every element: both within e4m3's 2^-4 w of exact
-NOISE = 2.0 ** -8     # kernel vs oracle, 98% of the elements (rare rounding flips)
 MEAN = 2.0 ** -10     # kernel vs oracle: the mean excess over one bf16 step, in units of w
 OUT_STEP = 2.0 ** -7  # one bf16 step of |out|
 LSE_TOL = 2.0 ** -10
+
+
+def noise(d):
+    """Kernel vs oracle, 98% of the elements (rare rounding flips), for the kernel head dim d:
+    2^-8 at d = 64, growing with the FP8 WGMMA's K = 32 steps of Q K^T (module docstring)."""
+    return 2.0 ** -8 * max(d, 64) / 64
 
 
 def _need(d, dv=None):
@@ -106,7 +119,8 @@ def _check(name, inputs, out_dtype=BF16, **opts):
     worst = np.unravel_index(np.argmax(err - step - FLIP * weight), err.shape)
     assert (err <= step + FLIP * weight).all(), (
         f"{name}: kernel vs oracle {err[worst]:.3e} at {worst}, weight {weight[worst]:.3e}")
-    close = (err <= step + NOISE * weight).mean()
+    kernel_d = _ffi.kernel_head_dim("fwd", F8, q8.shape[3], v8.shape[3])
+    close = (err <= step + noise(kernel_d) * weight).mean()
     assert close >= 0.98, f"{name}: only {close:.4f} of the elements agree with the oracle to noise"
     excess = (np.maximum(err - step, 0) / np.maximum(weight, 1e-30)).mean()
     assert excess <= MEAN, f"{name}: mean excess over the oracle {excess:.2e} of the weight"
