@@ -12,7 +12,9 @@
 # PYTEST_ARGS (default "-m gpu tests"), BENCH_ARGS (passed to benchmarks/bench_attention.py),
 # TEST_SHARDS (parallel pytest processes), TEST_GPUS (e.g. "0 1": shard i runs on the i-th listed GPU,
 # round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_SANITIZE=1, SKIP_TESTS=1, SKIP_BENCH=1,
-# TEST_TIMEOUT / BENCH_TIMEOUT (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
+# FP8_BENCH_ARGS (set, even empty: also run benchmarks/bench_fp8.py with these arguments; with
+# SKIP_BENCH=1 for the file limit below), TEST_TIMEOUT / BENCH_TIMEOUT / FP8_BENCH_TIMEOUT
+# (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
 # into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
 # Leaves at most 8 files in OUT_DIR: build.log, info.txt, sanitize.txt, pytest_gpu.log and the
 # benchmark's json, md, png and bench.log (the device tool returns 8).
@@ -90,6 +92,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       -p no:cacheprovider -rfEsxX >"$logs/shard_$i.log" 2>&1 &
     pids+=($!)
   done
+  # A shard cut at TEST_TIMEOUT prints no summary: tests/conftest.py prints each failure's report
+  # as it happens in these shards (FA3_TEST_SHARD), so the messages survive the cut.
   # A shard that the split left without tests exits 5 (a small file, many shards): not a
   # failure by itself; a run in which no shard passed a test is (below).
   failed=0
@@ -99,6 +103,15 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -hE "^(FAILED|ERROR|XPASS)|(passed|failed|error|skipped).* in [0-9.]+s" "$OUT/pytest_gpu.log" | head -60
   [ $failed -eq 0 ] || { status=1; echo "pytest: a shard failed or timed out (rc != 0): see pytest_gpu.log"; }
   grep -qE "[0-9]+ passed" "$OUT/pytest_gpu.log" || { status=1; echo "pytest: no shard passed a test (all skipped or none collected)"; }
+fi
+
+if [ -n "${FP8_BENCH_ARGS+set}" ]; then
+  # The FP8 forward side by side (benchmarks/bench_fp8.py): its json and md go to OUT too, so
+  # run it with SKIP_BENCH=1 to stay within the device tool's 8 returned files.
+  echo "== FP8 benchmark ${FP8_BENCH_ARGS}"
+  timeout "${FP8_BENCH_TIMEOUT:-400}" python3 -P benchmarks/bench_fp8.py --out "$OUT" ${FP8_BENCH_ARGS} \
+    2>&1 | tail -40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then

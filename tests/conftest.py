@@ -49,6 +49,15 @@ def _keep_shard(config, items):
     items[:] = kept
 
 
+def pytest_runtest_logreport(report):
+    """In a sharded device run (FA3_TEST_SHARD), print a failure's report the moment it happens:
+    scripts/gpu_cycle.sh cuts a shard at its time limit, and a cut pytest prints no summary (the
+    first FP8 kernel run lost every failure message that way)."""
+    if report.failed and os.environ.get("FA3_TEST_SHARD"):
+        text = f"\n==== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+        os.write(2, text.encode(errors="replace"))  # below pytest's capture
+
+
 def pytest_collection_modifyitems(config, items):
     _keep_shard(config, items)
     reasons = {}
