@@ -219,14 +219,6 @@ def fp8_unsupported(descales, descale_block_rows, sinks, segments, softmax_scale
     return reasons
 
 
-# Head dims whose FP8 kernel has passed its GPU tests on the H200. Session 22 (the kernel's first
-# run): hd64 and hd128 passed every head-dim/sequence-length case; the hd256 kernel (128 x 64
-# tile) failed 6 of the 13 cases that finished, all with at most 129 keys: likely the test's
-# tolerance (scripts/fp8_accum_model.py), not yet confirmed on the GPU, so calls above 128 stay
-# on the portable path until it is.
-FP8_KERNEL_HEAD_DIM_CHECKED = 128
-
-
 def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
     """'cuda' (the FP8 kernel) or 'xla' (the portable FP8 emulation, jax_fa3/portable_fp8.py;
     never the bf16/fp16 kernels, whose numerics differ) for float8_e4m3fn q and v.
@@ -235,12 +227,6 @@ def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
     file has run on the H200 yet (issue 28); once all of it passes there, None takes the kernel
     where it can run the call, as `resolve_implementation` does for the other dtypes."""
     _validate.check_implementation(implementation)
-    unsupported = list(unsupported)
-    if max(q.shape[-1], v.shape[-1]) > FP8_KERNEL_HEAD_DIM_CHECKED:
-        unsupported.append(
-            f"the FP8 kernel above head dim {FP8_KERNEL_HEAD_DIM_CHECKED} (the hd256 one) failed "
-            "its first GPU tests (6 of 13 cases, all with at most 129 keys), so it is not used "
-            "until it is fixed (issue 28)")
     if implementation is None:
         return "xla"
     return resolve_implementation(implementation, q, unsupported=unsupported,

@@ -184,7 +184,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         softmax_scale; the probabilities are rounded to e4m3 (scaled into [0, 256] first, as
         FA3 does) before P v. FP8 is FORWARD-ONLY: differentiating raises
         NotImplementedError. The FP8 kernel is new and runs only with implementation="cuda"
-        (head dims multiples of 16 up to 128: the hd256 one failed its first GPU tests):
+        (head dims multiples of 16 up to 128; the hd256 one is not built: it failed its first GPU tests):
         per-tensor and per-head descales, causal, windows, softcap, GQA, any seqlens.
         implementation=None runs the portable FP8 path, which emulates the kernel's
         numerics and also takes per-block descales, sinks and segment ids ("cuda" raises

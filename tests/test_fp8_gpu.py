@@ -49,12 +49,9 @@ F8, BF16, F16 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16
 # The FP8 tile table's kBlockN per kernel head dim (cpp/kernels/fwd/fwd_launch.cuh): the oracle
 # runs on the same key blocks.
 KERNEL_BLOCK_N = {64: 128, 128: 128, 256: 64}
-# The hd256 FP8 kernel failed 6 of its 14 head-dim/sequence-length cases in its first H200 run
-# (session 22), so jax_fa3 does not use it yet (jax_fa3/_core.py FP8_KERNEL_HEAD_DIM_CHECKED) and
-# implementation="cuda" raises: these cases check that refusal until the kernel is fixed.
-HD256_OFF = pytest.mark.xfail(raises=ValueError, strict=True,
-                              reason="FP8 hd256 kernel not used: failed its first GPU tests (issue 28)")
-HEAD_DIMS = (64, 128, pytest.param(256, marks=HD256_OFF))
+# hd256: the default build leaves the FP8 hd256 kernel out (CMakeLists.txt) until a GPU run of
+# this file passes with it built; its cases skip as not compiled until then.
+HEAD_DIMS = (64, 128, 256)
 FLIP = 2.0 ** -3      # kernel vs oracle, every element: both within e4m3's 2^-4 w of exact
 MEAN = 2.0 ** -10     # kernel vs oracle: the mean excess over one bf16 step, in units of w
 OUT_STEP = 2.0 ** -7  # one bf16 step of |out|
@@ -157,13 +154,13 @@ def test_head_dims_and_seqlens(d, sq, sk, causal):
 OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("window", (2, 300, 300, 4, 2, 128, 128), "head", dict(window_size=(37, 5))),
     ("window left only", (1, 200, 500, 2, 2, 64, 64), "head", dict(window_size=(50, -1))),
-    pytest.param(("causal window", (1, 257, 257, 2, 1, 256, 256), "head", dict(causal=True, window_size=(100, 0))), marks=HD256_OFF),
+    ("causal window", (1, 257, 257, 2, 1, 256, 256), "head", dict(causal=True, window_size=(100, 0))),
     ("softcap", (2, 129, 300, 4, 2, 128, 128), "head", dict(softcap=5.0)),
     ("softcap causal", (1, 300, 129, 2, 1, 64, 64), "tensor", dict(causal=True, softcap=2.0)),
     ("empty rows", (2, 300, 100, 2, 1, 128, 128), "head", dict(causal=True)),  # rows < 200 see none
     ("diagonal only", (1, 64, 64, 2, 1, 64, 64), "head", dict(window_size=(0, 0))),
     ("gqa 8", (1, 200, 333, 8, 1, 128, 128), "head", {}),
-    pytest.param(("gqa 2 causal", (2, 333, 200, 4, 2, 256, 256), "head", dict(causal=True)), marks=HD256_OFF),
+    ("gqa 2 causal", (2, 333, 200, 4, 2, 256, 256), "head", dict(causal=True)),
     ("per tensor", (2, 129, 129, 2, 2, 128, 128), "tensor", {}),
     ("dv < d", (1, 100, 150, 2, 1, 64, 32), "head", dict(causal=True)),
     ("scale", (1, 64, 200, 2, 2, 128, 128), "head", dict(softmax_scale=0.02)),
@@ -172,11 +169,7 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
 ]
 
 
-def _case_id(case):
-    return (case.values[0] if hasattr(case, "values") else case)[0]
-
-
-@pytest.mark.parametrize("case", OPTIONS, ids=[_case_id(c) for c in OPTIONS])
+@pytest.mark.parametrize("case", OPTIONS, ids=[c[0] for c in OPTIONS])
 def test_options(case):
     name, (b, sq, sk, hq, hkv, d, dv), granularity, opts = case
     _need(d, dv)
