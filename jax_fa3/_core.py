@@ -234,16 +234,12 @@ def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
 
 
 def _kernel_descales(descales, b, hq, hkv):
-    """The FP8 kernel's descale operands, float32: q (b, hq), k and v (b, hkv). None is 1, a
-    per-tensor one is broadcast, a q descale per kv head is repeated over its query heads."""
-    def per_head(x, heads):
-        if x is None:
-            return jnp.ones((b, heads), jnp.float32)
-        if x.ndim == 0:
-            return jnp.broadcast_to(x, (b, heads))
-        return jnp.repeat(x, heads // x.shape[1], axis=1)
-    q, k, v = descales
-    return per_head(q, hq), per_head(k, hkv), per_head(v, hkv)
+    """The FP8 kernel's descale operands, float32: q (b, hq), k and v (b, hkv) (None is 1, a
+    per-tensor one broadcast, a q descale per kv head repeated over its query heads)."""
+    g = hq // hkv
+    return tuple(jnp.broadcast_to(portable_fp8.descale_rows(x, b, hkv, n, 1, None),
+                                  (b, hkv, n, 1)).reshape(b, hkv * n)
+                 for x, n in zip(descales, (g, 1, 1)))
 
 
 def attention_fwd_fp8(q, k, v, descales, opts: Options, sinks=None, segments=None,

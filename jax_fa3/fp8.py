@@ -30,7 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import _validate
+from jax_fa3 import _validate, portable_fp8
 
 __all__ = ["quantize_fp8", "dequantize_fp8", "hadamard_rotate", "flash_attention_fp8",
            "FP8_DTYPE", "FP8_MAX", "GRANULARITIES"]
@@ -115,14 +115,11 @@ def _amax(x, granularity, block_rows):
 
 
 def expand_descale(descale, shape, block_rows=None):
-    """A descale of any granularity broadcast to (b, s, h, 1) for x of `shape`."""
+    """A descale of any granularity broadcastable to (b, s, h, 1) for x of `shape`
+    (portable_fp8.descale_rows reads its shape, every head its own group)."""
     b, s, h, _ = shape
-    if descale.ndim == 0:
-        return descale
-    if descale.ndim == 2:
-        return descale[:, None, :, None]
-    rows = jnp.repeat(descale, block_rows, axis=2)[:, :, :s]  # (b, h, s)
-    return rows.transpose(0, 2, 1)[..., None]
+    rows = portable_fp8.descale_rows(descale, b, h, 1, s, block_rows)[:, :, 0]  # (b|1, h|1, s|1)
+    return jnp.moveaxis(rows, 2, 1)[..., None]
 
 
 def _quantize(name, x, granularity, block_rows, hadamard_key):

@@ -43,10 +43,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-def _per_row(descale, b, h, g, seqlen, block_rows):
+def descale_rows(descale, b, h, g, seqlen, block_rows):
     """A descale (None, (), (b, hkv), (b, hq), or per block (b, hkv|hq, n)) as a float32 array
     broadcastable to (b, hkv, g, seqlen): one factor per (batch, kv head, group member, token).
-    For k and v, g = 1."""
+    For k and v, g = 1. The one reading of the descale shapes (also the FP8 kernel's operands,
+    jax_fa3/_core.py, and quantization, jax_fa3/fp8.py)."""
     if descale is None:
         return jnp.ones((1, 1, 1, 1), jnp.float32)
     if descale.ndim == 0:
@@ -99,7 +100,7 @@ def forward(q, k, v, descales=(None, None, None), sinks=None, *, softmax_scale: 
     else:
         bk = portable._block_size(start, stop, block_k)
     q_scale, k_scale, v_scale = (
-        _per_row(x, b, hkv, n, s, descale_block_rows)
+        descale_rows(x, b, hkv, n, s, descale_block_rows)
         for x, n, s in zip(descales, (g, 1, 1), (sq, sk, sk)))
     # the per-row query factor and the softmax scale in log2 units, folded into one (as FA3)
     row_factor = jnp.broadcast_to(q_scale * (softmax_scale * (1.0 if softcap else LOG2E)),
