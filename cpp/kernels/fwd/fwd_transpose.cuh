@@ -88,7 +88,8 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
   typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
   auto write = cutlass::make_producer_start_state<typename T::PipelineVt>();
   int const num_tiles = p.sched.num_tiles();
-  for (int t = blockIdx.x; t < num_tiles; t += int(gridDim.x)) {
+  static_assert(!T::kDynamicSchedule, "the transposers follow the producer's tiles on their own");
+  for (int t = blockIdx.x; t < num_tiles; t = p.sched.template next<false>(t)) {
     FwdTile const tile = fwd_tile<T>(p, t);
     for (int n = tile.n_begin; n < tile.n_end; ++n) {
       pipe_v.consumer_wait(read);
