@@ -46,42 +46,45 @@ template <class Tr>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams p) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
-  // Threads per row: 256 / kBlockM where that divides; else (80 rows) 2, with the threads past
-  // the block's rows idle (a power of two: the shuffle reduction below stays within a row).
-  constexpr bool kRowsFill = 256 % kBlockM == 0;
-  constexpr int kThreadsPerRow = kRowsFill ? 256 / kBlockM : 2;
-  static_assert(kRowsFill || kThreadsPerRow * kBlockM <= 256);
-  constexpr int kPerThread = kHeadDim / kThreadsPerRow;  // elements of one row per thread
-  static_assert(kPerThread % 8 == 0);
+  // A copy at the bandwidth roofline: each thread moves one 16-byte piece of a row of O and of dO,
+  // a row spans kThreadsPerRow lanes (a power of two, so the shuffle reduction stays within the
+  // row), and all of a thread's loads are in flight before the first product.
+  constexpr int kPieces = kHeadDim / 8;
+  constexpr int kThreadsPerRow = kPieces <= 8 ? 8 : kPieces <= 16 ? 16 : 32;
+  static_assert(kHeadDim % 8 == 0 && kPieces <= kThreadsPerRow);
+  constexpr int kRowsPerPass = 256 / kThreadsPerRow;
+  constexpr int kPasses = (kBlockM + kRowsPerPass - 1) / kRowsPerPass;
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int r = threadIdx.x / kThreadsPerRow, part = threadIdx.x % kThreadsPerRow;
-  const bool active = kRowsFill || r < kBlockM;
-  const int row = m * kBlockM + r;
-  float acc = 0.f;
-  if (active && row < p.seqlen_q) {
-    const int col0 = part * kPerThread;  // out's head dim is a multiple of 8: whole vectors
-    const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
-    const uint4* o = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
-    const uint4* d = reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
-    CUTLASS_PRAGMA_UNROLL
-    for (int v = 0; v < kPerThread / 8; ++v) {
-      if (col0 + 8 * v >= p.head_dim_v) break;
-      uint4 ov = o[v], dv = d[v];
-      const Element* oe = reinterpret_cast<const Element*>(&ov);
-      const Element* de = reinterpret_cast<const Element*>(&dv);
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+  const int part = threadIdx.x % kThreadsPerRow, col0 = part * 8;  // out's head dim: whole vectors
+  uint4 ov[kPasses], dv[kPasses];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = i * kRowsPerPass + threadIdx.x / kThreadsPerRow, row = m * kBlockM + r;
+    ov[i] = dv[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (r < kBlockM && row < p.seqlen_q && col0 < p.head_dim_v) {
+      const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
+      ov[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
+      dv[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
     }
   }
-  CUTLASS_PRAGMA_UNROLL
-  for (int s = 1; s < kThreadsPerRow; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
   const int64_t bh = int64_t(b) * p.heads_q + h;
-  if (active && part == 0) {
-    const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
-    float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
-    p.dpsum[idx] = acc;
-    if (p.dpsum_out != nullptr && row < p.seqlen_q) p.dpsum_out[bh * p.seqlen_q + row] = acc;
-    p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kPasses; ++i) {
+    const Element* oe = reinterpret_cast<const Element*>(&ov[i]);
+    const Element* de = reinterpret_cast<const Element*>(&dv[i]);
+    float acc = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 1; s < kThreadsPerRow; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    const int r = i * kRowsPerPass + threadIdx.x / kThreadsPerRow, row = m * kBlockM + r;
+    if (part == 0 && r < kBlockM) {
+      const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
+      float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
+      p.dpsum[idx] = acc;
+      if (p.dpsum_out != nullptr && row < p.seqlen_q) p.dpsum_out[bh * p.seqlen_q + row] = acc;
+      p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+    }
   }
   float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
   CUTLASS_PRAGMA_UNROLL
