@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--causal", type=int, default=0, choices=(0, 1))
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"),
+                   help="float8_e4m3fn: jax_fa3's FP8 forward on inputs quantized per head")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--calls", type=int, default=3)
@@ -41,8 +42,19 @@ def main(argv=None) -> int:
     shape = grid_shape(args.head_dim, args.seqlen, args.tokens, args.hidden)
     batch, _, heads, _ = shape
     keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
-    run, _ = make_loop(attention_fn(args.impl, bool(args.causal)), args.direction, q, k, v)
+    if args.dtype == "float8_e4m3fn":
+        if (args.impl, args.direction) != ("jax_fa3", "fwd"):
+            p.error("--dtype float8_e4m3fn profiles jax_fa3's forward only")
+        import jax_fa3
+        (q, qd), (k, kd), (v, vd) = (jax_fa3.quantize_fp8(jax.random.normal(key, shape, jnp.bfloat16))
+                                     for key in keys)
+        fn = lambda q, k, v: jax_fa3.flash_attention(  # noqa: E731
+            q, k, v, causal=bool(args.causal), q_descale=qd, k_descale=kd, v_descale=vd,
+            implementation="cuda")
+    else:
+        q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
+        fn = attention_fn(args.impl, bool(args.causal))
+    run, _ = make_loop(fn, args.direction, q, k, v)
     jax.block_until_ready(run(1))  # compile and warm up
     times = []
     for _ in range(args.calls):

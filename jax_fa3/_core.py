@@ -223,9 +223,9 @@ def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
     """'cuda' (the FP8 kernel) or 'xla' (the portable FP8 emulation, jax_fa3/portable_fp8.py;
     never the bf16/fp16 kernels, whose numerics differ) for float8_e4m3fn q and v.
     "cuda" takes the kernel or raises saying why it cannot (`unsupported`: `fp8_unsupported`).
-    None stays on the portable path for now: the kernel is new, and only part of its GPU test
-    file has run on the H200 yet (issue 28); once all of it passes there, None takes the kernel
-    where it can run the call, as `resolve_implementation` does for the other dtypes."""
+    None stays on the portable path until the FP8 call has a sharding rule: XLA partitions the
+    portable path, while the kernel's call would gather sharded operands onto every device (its
+    GPU test file passes on the H200 since session 23; issue 28)."""
     _validate.check_implementation(implementation)
     if implementation is None:
         return "xla"

@@ -19,7 +19,7 @@ portable backward, which then runs.
 FP8 (float8_e4m3fn q, k, v with descales, issue 28) is forward-only: `_attention_fp8`, a
 custom_jvp whose rule raises, runs the FP8 kernel with implementation="cuda" and otherwise the
 portable FP8 path (jax_fa3/portable_fp8.py, the kernel's numerics emulated); None stays portable
-until the kernel's GPU tests have all passed (_core.resolve_fp8_implementation).
+until the FP8 call has a sharding rule (_core.resolve_fp8_implementation).
 """
 
 from __future__ import annotations
@@ -183,12 +183,11 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         ceil(seqlen_q / r)) for q. Scores are (q_fp8 k_fp8ᵀ) * q_descale * k_descale *
         softmax_scale; the probabilities are rounded to e4m3 (scaled into [0, 256] first, as
         FA3 does) before P v. FP8 is FORWARD-ONLY: differentiating raises
-        NotImplementedError. The FP8 kernel is new and runs only with implementation="cuda"
-        (head dims multiples of 16 up to 128; the hd256 one is not built: it failed its first GPU tests):
-        per-tensor and per-head descales, causal, windows, softcap, GQA, any seqlens.
-        implementation=None runs the portable FP8 path, which emulates the kernel's
-        numerics and also takes per-block descales, sinks and segment ids ("cuda" raises
-        naming those). `deterministic` (a backward option) has no effect.
+        NotImplementedError. The FP8 kernel runs only with implementation="cuda" (head
+        dims multiples of 16 up to 256): per-tensor and per-head descales, causal, windows,
+        softcap, GQA, any seqlens. implementation=None runs the portable FP8 path (until the
+        FP8 call has a sharding rule), which emulates the kernel's numerics and also takes
+        per-block descales, sinks and segment ids ("cuda" raises naming those). `deterministic` (a backward option) has no effect.
       descale_block_rows: tokens per descale block, needed for 3-D (per-block) descales
         (quantize_fp8's `block_rows`).
       out_dtype: FP8 only: "bfloat16" (default) or "float16" (or those jnp dtypes).

@@ -100,7 +100,8 @@ def score(d, sq, sk, causal, bits):
     inputs = T._fp8_inputs(sq * 7 + sk + d, b, sq, sk, hq, hkv, d)
     q8, qd, k8, kd, v8, vd = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in inputs)
     o_out, o_lse = T._oracle(*inputs, causal=causal)
-    got, lse = kernel(q8, qd, k8, kd, v8, vd, causal, T.KERNEL_BLOCK_N[d], bits)
+    block_n = T.KERNEL_BLOCK_N["banded" if causal else "full"][d]  # causal: the banded tile
+    got, lse = kernel(q8, qd, k8, kd, v8, vd, causal, block_n, bits)
     q, k, v = (_dequant(x, xd) for x, xd in ((q8, qd), (k8, kd), (v8, vd)))
     w = np.maximum(T._weight(q, k, v, causal=causal), 1e-30)
     oracle = np.asarray(o_out).astype(np.float64)

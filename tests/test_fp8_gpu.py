@@ -46,11 +46,10 @@ from jax_fa3 import _ffi, _masks, flash_attention, portable_fp8
 pytestmark = pytest.mark.gpu
 
 F8, BF16, F16 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16
-# The FP8 tile table's kBlockN per kernel head dim (cpp/kernels/fwd/fwd_launch.cuh): the oracle
-# runs on the same key blocks.
-KERNEL_BLOCK_N = {64: 128, 128: 128, 256: 64}
-# hd256: the default build leaves the FP8 hd256 kernel out (CMakeLists.txt) until a GPU run of
-# this file passes with it built; its cases skip as not compiled until then.
+# The FP8 tile table's kBlockN per kernel head dim (cpp/kernels/fwd/fwd_launch.cuh), for
+# problems whose band limits the work (`banded`) and the others (`full`): the oracle runs on the
+# same key blocks.
+KERNEL_BLOCK_N = {"full": {64: 128, 128: 192, 256: 64}, "banded": {64: 128, 128: 128, 256: 64}}
 HEAD_DIMS = (64, 128, 256)
 FLIP = 2.0 ** -3      # kernel vs oracle, every element: both within e4m3's 2^-4 w of exact
 MEAN = 2.0 ** -10     # kernel vs oracle: the mean excess over one bf16 step, in units of w
@@ -80,8 +79,12 @@ def _run(q8, qd, k8, kd, v8, vd, *, out_dtype=BF16, implementation="cuda", **opt
 def _oracle(q8, qd, k8, kd, v8, vd, *, out_dtype=BF16, causal=False, window_size=(-1, -1),
             softcap=0.0, softmax_scale=None):
     d, dv = q8.shape[3], v8.shape[3]
-    block_n = KERNEL_BLOCK_N[_ffi.kernel_head_dim("fwd", F8, d, dv)]
     left, right = _masks.band(causal, window_size)
+    # The kernel's choice (cpp/include/fa3/params.h, band_limits_work): the banded tile when the
+    # band cuts into seqlen_q + seqlen_k keys on either side.
+    reach = q8.shape[1] + k8.shape[1]
+    tile = "banded" if min(left, right) < reach else "full"
+    block_n = KERNEL_BLOCK_N[tile][_ffi.kernel_head_dim("fwd", F8, d, dv)]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     return jax.device_get(portable_fp8.forward(
         q8, k8, v8, (qd, kd, vd), softmax_scale=scale, softcap=softcap, left=left, right=right,
@@ -196,8 +199,8 @@ def test_zero_descale_gives_uniform_weights():
 
 
 def test_none_stays_portable_and_cuda_takes_the_kernel():
-    """implementation=None stays on the portable FP8 path until the kernel's whole GPU test file
-    has passed on the H200 (jax_fa3/_core.py resolve_fp8_implementation); "cuda" lowers to the
+    """implementation=None stays on the portable FP8 path until the FP8 call has a sharding rule
+    (jax_fa3/_core.py resolve_fp8_implementation); "cuda" lowers to the
     FP8 kernel; per-block descales cannot go to the kernel and "cuda" says why."""
     _need(64)
     q8, qd, k8, kd, v8, vd = _fp8_inputs(3, 1, 64, 64, 2, 1, 64)

@@ -9,6 +9,7 @@
 //     4-byte loads from V and stores to Vt (the tiles' swizzled layouts, 32 banks of 4 bytes) have
 //     at most 2-way bank conflicts.
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -47,33 +48,42 @@ int check_operand() {
   return bad;
 }
 
+// Replays the kernel's transpose (fwd_transpose_block) byte for byte: shared-memory images of a
+// V stage and a Vt stage in their swizzled layouts, each unit's addresses from
+// Fp8TransposeMap's offsets and XORs exactly as the kernel forms them.
 template <class Tr>
 int check_transpose() {
+  using Map = fa3::Fp8TransposeMap<Tr>;
   constexpr int N = Tr::kBlockN, D = Tr::kHeadDim;
-  std::vector<uint8_t> v(N * D), vt(D * N, 0);
-  std::vector<int> written(D * N, 0);
-  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
-  constexpr int kUnits = N / 16 * 4 * (D / 4);
-  for (int u = 0; u < kUnits; ++u) {
-    fa3::Fp8TransposeUnit const x = fa3::fp8_transpose_unit<D, N>(u);
-    int const keys[4] = {x.key0, x.key0 + 1, x.key0 + 8, x.key0 + 9};
-    uint32_t w[4], out[4];
-    for (int i = 0; i < 4; ++i) {
-      w[i] = 0;
-      for (int e = 0; e < 4; ++e) w[i] |= uint32_t(v[keys[i] * D + x.d0 + e]) << (8 * e);
-    }
-    fa3::transpose_4x4_bytes(w, out);
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < 4; ++i) {
-        vt[(x.d0 + j) * N + x.slot + i] = uint8_t(out[j] >> (8 * i));
-        written[(x.d0 + j) * N + x.slot + i]++;
-      }
-  }
+  auto const sV = typename Tr::SmemLayoutK{};    // (n, d, stages)
+  auto const sVt = typename Tr::SmemLayoutVt{};  // (d, n, stages)
   int bad = 0;
+  // A stage moves every offset by Map::kStageBytes (the kernel adds it to the stage's base).
+  for (int s = 0; s < Tr::kStages; ++s)
+    for (int key = 0; key < N; ++key)
+      for (int d = 0; d < D; ++d)
+        bad += int(sV(key, d, s)) != int(sV(key, d, 0)) + s * Map::kStageBytes ||
+               int(sVt(d, key, s)) != int(sVt(d, key, 0)) + s * Map::kStageBytes;
+  std::vector<uint8_t> v(N * D), smem_v(Map::kStageBytes), smem_vt(Map::kStageBytes, 0);
+  std::vector<int> written(Map::kStageBytes, 0);
+  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
+  for (int key = 0; key < N; ++key)
+    for (int d = 0; d < D; ++d) smem_v[int(sV(key, d, 0))] = v[key * D + d];
+  for (int u = 0; u < Map::kUnits; ++u) {
+    uint32_t const offs = Map::offsets(u), ld = offs & 0xffffu, st = offs >> 16;
+    uint32_t w[4], out[4];
+    for (int i = 0; i < 4; ++i) std::memcpy(&w[i], &smem_v[ld ^ Map::load_xor(i)], 4);
+    fa3::transpose_4x4_bytes(w, out);
+    for (int j = 0; j < 4; ++j) {
+      uint32_t const at = st ^ Map::store_xor(j);
+      std::memcpy(&smem_vt[at], &out[j], 4);
+      for (int i = 0; i < 4; ++i) written[at + i]++;
+    }
+  }
   for (int w : written) bad += w != 1;
   for (int key = 0; key < N; ++key)
     for (int d = 0; d < D; ++d)
-      bad += vt[d * N + 16 * (key / 16) + fa3::fp8_key_slot(key % 16)] != v[key * D + d];
+      bad += smem_vt[int(sVt(d, 16 * (key / 16) + fa3::fp8_key_slot(key % 16), 0))] != v[key * D + d];
   return bad;
 }
 

@@ -63,18 +63,72 @@ CUTE_HOST_DEVICE void transpose_4x4_bytes(uint32_t const (&w)[4], uint32_t (&out
   out[3] = byte_perm(hi01, hi23, 0x7632);
 }
 
-template <class T, class TV, class TVt>
-CUTE_DEVICE void fwd_transpose_block(TV const& sV, TVt& sVt, int tid) {
-  constexpr int kUnits = T::kBlockN / 16 * 4 * (T::kHeadDim / 4);  // chunks x quads x column groups
-  CUTLASS_PRAGMA_NO_UNROLL
-  for (int u = tid; u < kUnits; u += T::kNumTransposeThreads) {
+// Where a thread's units sit: byte offsets inside one stage, the load's (V, (n, d)) in the low
+// half and the store's (Vt, (d, n)) in the high half, computed once per kernel. The layouts are
+// swizzled bit permutations of power-of-two tiles, so they are linear over XOR: the unit's other
+// keys (key0 + 1, + 8, + 9 set bits that key0 leaves clear) and columns (d0 + j) lie at fixed XORs
+// of its first offsets (Fp8TransposeMap::load_xor, store_xor), and a stage moves every offset by
+// its size. tests/kernels/fwd_fp8_operand.cu replays these offsets against the layouts.
+template <class T>
+struct Fp8TransposeMap {
+  using LayoutV = typename T::SmemLayoutK1;  // (n, d), one stage
+  using LayoutVt = typename T::SmemLayoutVt;  // (d, n, stages)
+  static constexpr int kUnits = T::kBlockN / 16 * 4 * (T::kHeadDim / 4);  // chunks x quads x column groups
+  static constexpr int kUnitsPerThread = (kUnits + T::kNumTransposeThreads - 1) / T::kNumTransposeThreads;
+  static constexpr int kStageBytes = T::kBlockN * T::kHeadDim;
+  static_assert(sizeof(typename T::Element) == 1 && kStageBytes <= 65536, "offsets in 16 bits");
+
+  CUTE_HOST_DEVICE static uint32_t offsets(int u) {
     Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim, T::kBlockN>(u);
-    auto word = [&](int key) { return *reinterpret_cast<uint32_t const*>(&sV(key, x.d0)); };
-    uint32_t const w[4] = {word(x.key0), word(x.key0 + 1), word(x.key0 + 8), word(x.key0 + 9)};
-    uint32_t out[4];
-    transpose_4x4_bytes(w, out);
+    return uint32_t(LayoutV{}(x.key0, x.d0)) | uint32_t(LayoutVt{}(x.d0, x.slot, 0)) << 16;
+  }
+  // Load i reads key key0 + (i & 1) + 8 (i >> 1); store j writes column d0 + j.
+  CUTE_HOST_DEVICE static uint32_t load_xor(int i) { return uint32_t(LayoutV{}((i & 1) + 8 * (i >> 1), 0)); }
+  CUTE_HOST_DEVICE static uint32_t store_xor(int j) { return uint32_t(LayoutVt{}(j, 0, 0)); }
+};
+
+CUTE_DEVICE uint32_t lds_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+CUTE_DEVICE void sts_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// x, read anew at every block: otherwise the compiler hoists the 8 addresses of each unit out of
+// the block loop and spills them (the producer warpgroup has 56 registers).
+CUTE_DEVICE uint32_t per_block(uint32_t x) {
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(x));
+  return x;
+}
+
+// One V block at shared addresses v (stage base) to vt. Two units at a time: their 8 loads are in
+// flight together before the permutes.
+template <class T>
+CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, uint32_t const (&offs)[Fp8TransposeMap<T>::kUnitsPerThread],
+                                     int tid) {
+  using Map = Fp8TransposeMap<T>;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i0 = 0; i0 < Map::kUnitsPerThread; i0 += 2) {
+    uint32_t w[2][4];
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(&sVt(x.d0 + j, x.slot)) = out[j];
+    for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
+      if ((i + 1) * T::kNumTransposeThreads <= Map::kUnits || tid + i * T::kNumTransposeThreads < Map::kUnits) {
+        uint32_t const ld = per_block(offs[i]) & 0xffffu;
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) w[i - i0][k] = lds_u32(v + (ld ^ Map::load_xor(k)));
+      }
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
+      if ((i + 1) * T::kNumTransposeThreads <= Map::kUnits || tid + i * T::kNumTransposeThreads < Map::kUnits) {
+        uint32_t const st = per_block(offs[i]) >> 16;
+        uint32_t out[4];
+        transpose_4x4_bytes(w[i - i0], out);
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j) sts_u32(vt + (st ^ Map::store_xor(j)), out[j]);
+      }
+    }
   }
 }
 
@@ -82,9 +136,14 @@ CUTE_DEVICE void fwd_transpose_block(TV const& sV, TVt& sVt, int tid) {
 template <class T>
 CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::SharedStorage& ss,
                                  typename T::Pipeline& pipe_v, typename T::PipelineVt& pipe_vt) {
+  using Map = Fp8TransposeMap<T>;
   int const tid = threadIdx.x - 32;
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutK{});     // (n, d, stages)
-  Tensor sVt = make_tensor(make_smem_ptr(ss.vt.data()), typename T::SmemLayoutVt{});  // (d, n, stages)
+  uint32_t offs[Map::kUnitsPerThread];
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < Map::kUnitsPerThread; ++i)
+    offs[i] = Map::offsets(min(tid + i * T::kNumTransposeThreads, Map::kUnits - 1));
+  uint32_t const v0 = cute::cast_smem_ptr_to_uint(ss.v.data());
+  uint32_t const vt0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
   auto write = cutlass::make_producer_start_state<typename T::PipelineVt>();
   int const num_tiles = p.sched.num_tiles();
@@ -94,8 +153,7 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
     for (int n = tile.n_begin; n < tile.n_end; ++n) {
       pipe_v.consumer_wait(read);
       pipe_vt.producer_acquire(write);
-      Tensor sVt_w = sVt(_, _, write.index());
-      fwd_transpose_block<T>(sV(_, _, read.index()), sVt_w, tid);
+      fwd_transpose_block<T>(v0 + read.index() * Map::kStageBytes, vt0 + write.index() * Map::kStageBytes, offs, tid);
       cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
       pipe_vt.producer_commit(write);
       pipe_v.consumer_release(read);
