@@ -223,17 +223,15 @@ def resolve_fp8_implementation(implementation, q, v, unsupported=()) -> str:
     """'cuda' (the FP8 kernel) or 'xla' (the portable FP8 emulation, jax_fa3/portable_fp8.py;
     never the bf16/fp16 kernels, whose numerics differ) for float8_e4m3fn q and v.
     "cuda" takes the kernel or raises saying why it cannot (`unsupported`: `fp8_unsupported`).
-    None stays on the portable path until the FP8 call has a sharding rule: XLA partitions the
-    portable path, while the kernel's call would gather sharded operands onto every device (its
-    GPU test file passes on the H200 since session 23; issue 28)."""
+    None takes the kernel where it can run the call, as `resolve_implementation` does for the
+    other dtypes (sharded calls partition through jax_fa3/sharding.py,
+    `partitioned_attention_fwd_fp8`)."""
     _validate.check_implementation(implementation)
-    if implementation is None:
-        return "xla"
     return resolve_implementation(implementation, q, unsupported=unsupported,
                                   head_dim_v=v.shape[-1])
 
 
-def _kernel_descales(descales, b, hq, hkv):
+def kernel_descales(descales, b, hq, hkv):
     """The FP8 kernel's descale operands, float32: q (b, hq), k and v (b, hkv) (None is 1, a
     per-tensor one broadcast, a q descale per kv head repeated over its query heads)."""
     g = hq // hkv
@@ -250,7 +248,7 @@ def attention_fwd_fp8(q, k, v, descales, opts: Options, sinks=None, segments=Non
     on jax_fa3/portable_fp8.py, which emulates the kernel's numerics."""
     if opts.implementation == "cuda" and not is_empty(q, k):
         b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
-        out, lse = _ops.fwd_fp8(q, k, v, *_kernel_descales(descales, b, hq, hkv),
+        out, lse = _ops.fwd_fp8(q, k, v, *kernel_descales(descales, b, hq, hkv),
                                 softmax_scale=opts.softmax_scale, softcap=opts.softcap,
                                 window_left=opts.left, window_right=opts.right)
         return out.astype(out_dtype), lse

@@ -15,7 +15,10 @@ when the inputs are sharded under `jax.jit`:
     (b, sq) / (b, sk)) follow the batch and sequence axes of q / k and are replicated over
     heads; each device's call gets the ids (and positions) of its own tokens;
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
-    that mesh axis.
+    that mesh axis;
+  * the FP8 kernel's forward (`partitioned_attention_fwd_fp8`) shards batch and heads the same
+    way, its descales with the batch and the heads they scale; its sequences stay whole (a
+    sharded one is gathered: no FP8 ring yet).
 
 `jax_fa3.flash_attention` calls these two when its inputs may be partitioned
 (`may_partition`: more than one device and not inside a shard_map over every mesh axis), so
@@ -55,6 +58,7 @@ from jax_fa3._ops import _fold_batch_rule
 from jax_fa3.segments import Segments
 
 __all__ = ["context_parallel_attention", "partitioned_attention_fwd", "partitioned_attention_bwd",
+           "partitioned_attention_fwd_fp8",
            "may_partition", "plan_shardings", "AttentionShardings"]
 
 Axes = tuple  # a tuple of mesh axis names sharding one array dimension
@@ -236,11 +240,13 @@ def _local_bwd(opts: Options, plan: AttentionShardings, layout, with_dlse: bool,
 
 def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
                    with_sinks: bool = False, v_shape=None,
-                   segment_layout: tuple[bool, ...] = ()) -> tuple[str, dict]:
+                   segment_layout: tuple[bool, ...] = (), fp8: bool = False) -> tuple[str, dict]:
     """Shardy rule: batch b, seq s (t for keys if the lengths differ), query heads h, kv heads
     k, head dims d (q, k) and e (v, out; d again when they are equal) never sharded; the
     forward's sinks (h); segment ids and positions "b s" (queries') or "b t" (keys'), after
-    the other operands (before the sinks).
+    the other operands (before the sinks). `fp8`: the FP8 kernel's forward, whose operands end
+    with the descales "b h" (q) and "b k" (k, v), and whose sequences are never sharded (no
+    FP8 ring yet).
 
     Query and kv heads are separate factors rather than the compound "(k g)": when the
     query-head sharding is finer than heads_kv, Shardy would split the mesh axis into
@@ -258,8 +264,12 @@ def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
         rule = f"{q}, {kv}, {vv}, {o}, {lse}, {o}{dlse}{seg} -> {q}, {kv}, {vv}"
     else:
         sinks = ", h" if with_sinks else ""
-        rule = f"{q}, {kv}, {vv}{seg}{sinks} -> {o}, {lse}"
-    return rule, dict(need_replication_factors=tuple(dict.fromkeys(("d", e))))
+        descales = f", b h, b {hk}, b {hk}" if fp8 else ""
+        rule = f"{q}, {kv}, {vv}{seg}{sinks}{descales} -> {o}, {lse}"
+    whole = {"d", e} | ({"s", t} if fp8 else set())
+    # Shardy wants them in the order the factors first appear in the rule.
+    order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
+    return rule, dict(need_replication_factors=tuple(sorted(whole, key=order.index)))
 
 
 def _mesh_shape(mesh) -> dict:
@@ -348,6 +358,52 @@ def _bwd_in_specs(plan: AttentionShardings, with_dlse: bool, layout=()):
             + ((plan.lse,) if with_dlse else ()) + _segment_specs(plan, layout))
 
 
+def _local_fwd_fp8(opts: Options, plan: AttentionShardings, out_dtype, q, k, v, q_descale,
+                   k_descale, v_descale):
+    """Per-device FP8 forward (whole sequences): the device's kv head picked as in
+    `_local_fwd`, with its k/v descales."""
+    if plan.kv_shared:
+        i = _kv_head_index(plan, k.shape[2])
+        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
+        k_descale, v_descale = (lax.dynamic_slice_in_dim(x, i, 1, axis=1)
+                                for x in (k_descale, v_descale))
+    return _core.attention_fwd_fp8(q, k, v, (q_descale, k_descale, v_descale), opts,
+                                   out_dtype=out_dtype)
+
+
+def _fp8_plan(plan: AttentionShardings) -> AttentionShardings:
+    """The FP8 call's plan: batch and heads as planned, the sequence whole (no FP8 ring)."""
+    return dataclasses.replace(plan, seq=())
+
+
+def _fp8_in_specs(plan: AttentionShardings):
+    """Specs of (q, k, v, q_descale (b, hq), k_descale, v_descale (b, hkv))."""
+    descale_q = P(_entry(plan.batch), _entry(plan.heads))
+    descale_kv = P(_entry(plan.batch), _entry(plan.kv_heads))
+    return (plan.q, plan.kv, plan.kv, descale_q, descale_kv, descale_kv)
+
+
+def _cp_fwd_fp8(opts: Options, out_dtype, q_shape, k_shape, v_shape):
+    """custom_partitioning of the FP8 forward (operands q, k, v and the kernel's descales)."""
+
+    @custom_partitioning
+    def op(*args):
+        return _no_consts(_local_fwd_fp8, opts, AttentionShardings(), out_dtype)(*args)
+
+    def infer(mesh, arg_shapes, result_shape):
+        plan = _fp8_plan(_callback_plan(mesh, arg_shapes))
+        return _named(mesh, (plan.q, plan.lse))
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = _fp8_plan(_callback_plan(mesh, arg_shapes))
+        lower = lambda *args: _local_fwd_fp8(opts, plan, out_dtype, *args)
+        return mesh, lower, _named(mesh, (plan.q, plan.lse)), _named(mesh, _fp8_in_specs(plan))
+
+    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False, v_shape=v_shape, fp8=True)
+    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
+    return op
+
+
 # ----------------------------------------------------------------------------- explicit axes
 
 def _explicit_mesh(x):
@@ -398,6 +454,22 @@ def partitioned_attention_fwd(q, k, v, opts: Options, sinks=None, segments=None)
     op = jax.custom_batching.custom_vmap(lambda *xs: tuple(
         _cp_fwd(opts, xs[0].shape, xs[1].shape, xs[2].shape, with_sinks, layout)(*xs)))
     return _fold_batch_rule(op, num_shared=int(with_sinks))(*args)
+
+
+def partitioned_attention_fwd_fp8(q, k, v, descales, opts: Options, out_dtype):
+    """`jax_fa3._core.attention_fwd_fp8` for the FP8 kernel's calls, as one local call per
+    device: batch and heads shard as for the other dtypes; a sharded sequence is gathered
+    (there is no FP8 ring yet). `descales`: the kernel's (q (b, hq), k and v (b, hkv)) float32
+    (`_core.kernel_descales`), sharded with the batch and the heads they scale."""
+    args = (q, k, v) + tuple(descales)
+    mesh = _explicit_mesh(q)
+    if mesh is not None:
+        plan = _fp8_plan(_explicit_plan(mesh, q, k))
+        body = lambda plan, *xs: _local_fwd_fp8(opts, plan, out_dtype, *xs)
+        return _shard_map_call(mesh, body, plan, args, _fp8_in_specs(plan), (plan.q, plan.lse))
+    op = jax.custom_batching.custom_vmap(lambda *xs: tuple(
+        _cp_fwd_fp8(opts, out_dtype, xs[0].shape, xs[1].shape, xs[2].shape)(*xs)))
+    return _fold_batch_rule(op)(*args)
 
 
 def partitioned_attention_bwd(q, k, v, out, lse, dout, opts: Options, dlse=None, sinks=None,

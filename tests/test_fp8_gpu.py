@@ -198,16 +198,15 @@ def test_zero_descale_gives_uniform_weights():
     _check("zero k descale", (q8, qd, k8, jnp.zeros_like(kd), v8, vd), causal=True)
 
 
-def test_none_stays_portable_and_cuda_takes_the_kernel():
-    """implementation=None stays on the portable FP8 path until the FP8 call has a sharding rule
-    (jax_fa3/_core.py resolve_fp8_implementation); "cuda" lowers to the
-    FP8 kernel; per-block descales cannot go to the kernel and "cuda" says why."""
+def test_none_and_cuda_take_the_kernel():
+    """implementation=None takes the FP8 kernel where it can run the call, as "cuda" does
+    (jax_fa3/_core.py resolve_fp8_implementation); per-block descales cannot go to the kernel:
+    None runs them on the portable path and "cuda" says why."""
     _need(64)
     q8, qd, k8, kd, v8, vd = _fp8_inputs(3, 1, 64, 64, 2, 1, 64)
-    text = jax.jit(lambda q, k, v: flash_attention(q, k, v)).lower(q8, k8, v8).as_text()
-    assert "jax_fa3_fwd_fp8" not in text
-    text = jax.jit(lambda q, k, v: flash_attention(q, k, v, implementation="cuda")).lower(q8, k8, v8).as_text()
-    assert "jax_fa3_fwd_fp8" in text
+    for implementation in (None, "cuda"):
+        fn = lambda q, k, v: flash_attention(q, k, v, implementation=implementation)  # noqa: E731
+        assert "jax_fa3_fwd_fp8" in jax.jit(fn).lower(q8, k8, v8).as_text(), implementation
     q8, qd, k8, kd, v8, vd = _fp8_inputs(3, 1, 64, 64, 2, 1, 64, granularity="block", rows=16)
     fn = lambda q, k, v, kd: flash_attention(q, k, v, k_descale=kd, descale_block_rows=16)
     assert "jax_fa3_fwd_fp8" not in jax.jit(fn).lower(q8, k8, v8, kd).as_text()

@@ -8,6 +8,7 @@ batch/head sharding compiles to local calls with no all-gather.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -216,6 +217,95 @@ def test_partitioned_with_sinks_and_value_head_dim(name, types):
     for label, a, r in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), got, want):
         np.testing.assert_allclose(a, r, rtol=1e-5, atol=2e-5, err_msg=f"{name}: {label}")
     assert _same_spec(got[0].sharding.spec, spec)
+
+
+# ----------------------------------------------------------------------------- the FP8 forward
+
+FP8_MESHES = ["batch", "heads", "batch-heads-gqa", "heads-finer-than-kv", "seq-ring"]
+
+
+@pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("name", FP8_MESHES)
+def test_partitioned_fp8_equals_unsharded(name, types):
+    """The FP8 kernel's partitioned call (`partitioned_attention_fwd_fp8`), its local bodies on
+    the portable FP8 path here (the kernel's numerics, on CPU): out and lse equal the
+    single-device call with the same kernel-form descales ((b, hq) for q, (b, hkv) for k and
+    v, each device taking its heads' and, where kv heads are shared, its kv head's); outputs
+    carry the query's batch and head sharding, the sequence whole (a sharded one is gathered)."""
+    from test_fp8 import _fp8_inputs
+    shape, names, spec, hq, hkv, causal = MESHES[name]
+    mesh = _mesh(shape, names, types)
+    q8, qd, k8, kd, v8, vd = _fp8_inputs(21, 8, 16, 16, hq, hkv, 16)
+    descales = _core.kernel_descales((qd, kd, vd), 8, hq, hkv)
+    opts = dataclasses.replace(_opts(causal, window_size=(6, -1)), implementation="xla")
+    local = jax.jit(lambda q, k, v, d: _core.attention_fwd_fp8(q, k, v, d, opts))
+    want = local(q8, k8, v8, descales)
+    plan = sharding._fp8_plan(sharding.plan_shardings(dict(mesh.shape), spec, q8.shape, k8.shape))
+    qs, = _put(mesh, spec, q8)
+    ks, vs = _put(mesh, _kv_input_spec(mesh, spec, hkv), k8, v8)
+    specs = sharding._fp8_in_specs(plan)[3:]
+    ds = tuple(jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(descales, specs))
+    got = jax.jit(lambda q, k, v, d: sharding.partitioned_attention_fwd_fp8(
+        q, k, v, d, opts, jnp.bfloat16))(qs, ks, vs, ds)
+    # The same local computation, fused differently: lse within float32 rounding, out within
+    # one bf16 step (a wrong head or descale would be off by far more).
+    for label, a, r, rtol in zip(("out", "lse"), got, want, (2.0 ** -7, 1e-6)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32),
+                                   rtol=rtol, atol=1e-6, err_msg=f"{name}: {label}")
+    assert plan.seq == ()
+    if types == AxisType.Explicit or not name.startswith("seq"):  # Auto: XLA may reshard out
+        assert _same_spec(got[0].sharding.spec, plan.q), got[0].sharding.spec
+
+
+def test_flash_attention_fp8_kernel_route_partitions(monkeypatch):
+    """flash_attention routes an FP8 kernel call (implementation resolved to "cuda") on sharded
+    inputs through `partitioned_attention_fwd_fp8`: one custom partitioning, local calls of the
+    kernel's op on (batch, heads) shards, the result of the unsharded call. The kernel's op is
+    stood in for by the portable FP8 path on the same kernel-form descales (CPU)."""
+    from test_fp8 import _fp8_inputs
+    from jax_fa3 import _ops, portable_fp8
+
+    calls = []
+
+    def fake_fwd_fp8(q, k, v, qd, kd, vd, *, softmax_scale, softcap, window_left, window_right):
+        calls.append(q.shape)
+        return portable_fp8.forward(q, k, v, (qd, kd, vd), softmax_scale=softmax_scale,
+                                    softcap=softcap, left=window_left, right=window_right)
+
+    monkeypatch.setattr(_ops, "fwd_fp8", fake_fwd_fp8)
+    monkeypatch.setattr(_core, "require_kernel", lambda *a, **kw: None)
+    mesh = _mesh((2, 4), ("data", "model"), AxisType.Auto)
+    spec = P("data", None, "model")
+    q8, qd, k8, kd, v8, vd = _fp8_inputs(31, 4, 16, 16, 8, 4, 16)
+    fn = lambda q, k, v, qd, kd, vd: attention.flash_attention(
+        q, k, v, q_descale=qd, k_descale=kd, v_descale=vd, causal=True, return_lse=True,
+        implementation="cuda")
+    want = jax.jit(fn)(q8, k8, v8, qd, kd, vd)
+    assert calls == [q8.shape]  # unsharded: one call on the whole arrays
+    qs, = _put(mesh, spec, q8)
+    ks, vs = _put(mesh, spec, k8, v8)
+    ds = tuple(jax.device_put(x, NamedSharding(mesh, P("data", "model"))) for x in (qd, kd, vd))
+    run = jax.jit(fn)
+    assert "CustomSPMDPartitioning" in run.lower(qs, ks, vs, *ds).as_text()
+    got = run(qs, ks, vs, *ds)
+    assert (2, 16, 2, 16) in calls  # a local call on a (batch, heads) shard
+    for label, a, r, rtol in zip(("out", "lse"), got, want, (2.0 ** -7, 1e-6)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32),
+                                   rtol=rtol, atol=1e-6, err_msg=label)
+    assert _same_spec(got[0].sharding.spec, spec)
+
+
+def test_fp8_sharding_rule_and_plan():
+    """The FP8 rule ends with the descales and keeps the sequences whole; the plan drops a
+    sequence sharding and shards the descales with their batch and heads."""
+    rule, kw = sharding._sharding_rule((1, 8, 8, 64), (1, 16, 2, 64), False, fp8=True)
+    assert rule == "b s h d, b t k d, b t k d, b h, b k, b k -> b s h d, b h s"
+    assert kw == {"need_replication_factors": ("s", "d", "t")}  # in order of appearance
+    mesh = {"data": 2, "model": 4, "sp": 2}
+    plan = sharding._fp8_plan(sharding.plan_shardings(
+        mesh, P("data", "sp", "model"), (2, 8, 8, 64), (2, 8, 2, 64)))
+    assert plan.seq == () and plan.q == P("data", None, "model", None)
+    assert sharding._fp8_in_specs(plan)[3:] == (P("data", "model"), P("data", None), P("data", None))
 
 
 def _collectives(text):
