@@ -12,6 +12,10 @@
 # first launch; session 11 split the backward into pre/main/post this way, ours and cuDNN's).
 # With sections, name the kernels (a bare "." catches XLA's fusions, and session 10 saw ncu fail
 # to replay input_concatenate_fusion and stop; multi-pass replays of a whole call are slow).
+# NCU_SOURCE=1: also the warp-stall sampling per SASS instruction (the SourceCounters section and
+# the report's source page), summarized by scripts/ncu_source_summary.py into
+# OUT_DIR/ncu_<tag>_source.txt (stall reasons, the hottest instructions with what precedes them,
+# the main loop's instruction mix); the report itself is not kept (NCU_REP is forced off).
 # NCU_EXTRA: more ncu options, word-split (e.g. the stall breakdown, which the sections' headers
 # lack here: NCU_EXTRA="--print-details all" or
 # NCU_EXTRA="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio").
@@ -32,9 +36,21 @@ else
   done
 fi
 rep=()
-[ "${NCU_REP:-1}" = 1 ] && rep=(--export "$OUT/ncu_$tag" --force-overwrite)
+if [ "${NCU_SOURCE:-0}" = 1 ]; then
+  sections+=(--section SourceCounters --import-source no)
+  rep=(--export "/tmp/ncu_source_$tag" --force-overwrite)
+elif [ "${NCU_REP:-1}" = 1 ]; then
+  rep=(--export "$OUT/ncu_$tag" --force-overwrite)
+fi
 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
   ncu --clock-control none --target-processes all \
     --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
     "${sections[@]}" ${NCU_EXTRA:-} "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+if [ "${NCU_SOURCE:-0}" = 1 ]; then
+  ncu -i "/tmp/ncu_source_$tag.ncu-rep" >>"$OUT/ncu_$tag.txt" 2>&1  # the sections, as text
+  ncu -i "/tmp/ncu_source_$tag.ncu-rep" --page source --csv --print-source sass >"/tmp/ncu_source_$tag.csv" 2>&1
+  python3 scripts/ncu_source_summary.py "/tmp/ncu_source_$tag.csv" >"$OUT/ncu_${tag}_source.txt" 2>&1 || status=1
+  head -40 "$OUT/ncu_${tag}_source.txt"
+fi
+exit "$status"
