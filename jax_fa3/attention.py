@@ -18,7 +18,7 @@ portable backward, which then runs.
 
 FP8 (float8_e4m3fn q, k, v with descales, issue 28) is forward-only: `_attention_fp8`, a
 custom_jvp whose rule raises, runs the FP8 kernel where it can run the call (as for the other
-dtypes; partitioned by batch and heads through the sharding layer) and otherwise the portable
+dtypes; partitioned through the sharding layer) and otherwise the portable
 FP8 path (jax_fa3/portable_fp8.py, the kernel's numerics emulated).
 """
 
@@ -115,8 +115,8 @@ FP8_NOT_DIFFERENTIABLE = (
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7, 8))
 def _attention_fp8(q, k, v, descales, sinks, segments, opts: Options, block_rows, out_dtype):
-    # The kernel's calls partition through the sharding layer (batch and heads); the portable
-    # FP8 path is plain XLA, which partitions it itself.
+    # The kernel's calls partition through the sharding layer (batch, heads, sequence); the
+    # portable FP8 path is plain XLA, which partitions it itself.
     if opts.implementation == "cuda" and _partitioned(q, k, None):
         b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
         return sharding.partitioned_attention_fwd_fp8(
@@ -191,9 +191,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         FA3 does) before P v. FP8 is FORWARD-ONLY: differentiating raises
         NotImplementedError. The FP8 kernel (head dims multiples of 16 up to 256) takes
         per-tensor and per-head descales, causal, windows, softcap, GQA, any seqlens; sharded
-        inputs partition by batch and heads (a sharded sequence is gathered). Per-block
+        inputs partition by batch, heads and sequence (the ring, with FP8 local calls). Per-block
         descales, sinks and segment ids run on the portable FP8 path, which emulates the
-        kernel's numerics (with implementation=None; "cuda" raises naming them). `deterministic` (a backward option) has no effect.
+        kernel's numerics (with implementation=None; "cuda" raises naming them).
+        `deterministic` (a backward option) has no effect.
       descale_block_rows: tokens per descale block, needed for 3-D (per-block) descales
         (quantize_fp8's `block_rows`).
       out_dtype: FP8 only: "bfloat16" (default) or "float16" (or those jnp dtypes).

@@ -303,16 +303,19 @@ def _has_positions(segments) -> bool:
     return True
 
 
-def _fwd_calls(calls, opts: Options, q, k, v, acc, segments=None):
+def _fwd_calls(calls, opts: Options, q, k, v, acc, segments=None, local_fwd=None):
     """Run `calls` on (q, k, v) (and the segment ids / positions of the same tokens) and merge
-    each into the accumulator (o f32, lse).
+    each into the accumulator (o f32, lse). `local_fwd(q, k, v, opts, segments)`: the local
+    attention, `_core.attention_fwd` by default.
 
     Updates are dynamic_update_slice, not `.at[...].set`: see `_add_rows`."""
     o_acc, lse_acc = acc
+    local_fwd = local_fwd or (lambda q, k, v, opts, segments: _core.attention_fwd(
+        q, k, v, opts, segments=segments))
     for c in calls:
-        o, lse = _core.attention_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
-                                     opts.with_band(c.left, c.right),
-                                     segments=_slice_segments(segments, c.q0, c.q1, c.k0, c.k1))
+        o, lse = local_fwd(q[:, c.q0:c.q1], k[:, c.k0:c.k1], v[:, c.k0:c.k1],
+                           opts.with_band(c.left, c.right),
+                           _slice_segments(segments, c.q0, c.q1, c.k0, c.k1))
         o, lse = merge_partials(o_acc[:, c.q0:c.q1], lse_acc[:, :, c.q0:c.q1],
                                 o.astype(jnp.float32), lse.astype(jnp.float32))
         o_acc = lax.dynamic_update_slice_in_dim(o_acc, o, c.q0, axis=1)
@@ -396,11 +399,14 @@ def _send(tree, ring: Ring, perm):
     return jax.tree.map(lambda x: lax.ppermute(x, ring.axis_name, perm), tree)
 
 
-def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None, segments=None):
+def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None, segments=None,
+                       local_fwd=None, out_dtype=None):
     """Local shards in, local (out (b, sq_local, hq, dv) in q.dtype, lse float32 (b, hq,
     sq_local)) out; `sinks` None or (hq,) float32, merged once at the end; `segments` None
     or a `jax_fa3.segments.Segments` of the local tokens (ids (b, sq_local) / (b, sk_local),
-    positions likewise or None), in the layout of q and k.
+    positions likewise or None), in the layout of q and k. `local_fwd(q, k, v, opts,
+    segments)` -> (out, lse) replaces the local attention (the FP8 forward, with its
+    descales, which belong to heads, not tokens), and `out_dtype` q.dtype.
 
     The building block of `ring_attention` and of the sharding rules; not differentiable
     (use `ring_attention`)."""
@@ -413,7 +419,8 @@ def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None, segments=
     acc = tuple(varying_like(a, q, k, v) for a in acc)
 
     def run(calls, acc, q, k, v, kv_side):
-        return _fwd_calls(calls, opts, q, k, v, acc, _with_kv_side(segments, kv_side))
+        return _fwd_calls(calls, opts, q, k, v, acc, _with_kv_side(segments, kv_side),
+                          local_fwd)
 
     kv_side = _kv_side(segments)
     if ring.strategy == "allgather":
@@ -440,7 +447,7 @@ def ring_attention_fwd(q, k, v, opts: Options, ring: Ring, sinks=None, segments=
     o, lse = acc
     if sinks is not None:
         o, lse = merge_sinks(o, lse, sinks)
-    return o.astype(q.dtype), lse
+    return o.astype(q.dtype if out_dtype is None else out_dtype), lse
 
 
 def ring_attention_bwd(q, k, v, out, lse, dout, opts: Options, ring: Ring, dlse=None,

@@ -16,9 +16,9 @@ when the inputs are sharded under `jax.jit`:
     heads; each device's call gets the ids (and positions) of its own tokens;
   * a sharded sequence axis becomes ring attention (jax_fa3.ring, contiguous layout) over
     that mesh axis;
-  * the FP8 kernel's forward (`partitioned_attention_fwd_fp8`) shards batch and heads the same
-    way, its descales with the batch and the heads they scale; its sequences stay whole (a
-    sharded one is gathered: no FP8 ring yet).
+  * the FP8 kernel's forward (`partitioned_attention_fwd_fp8`) shards the same way, its
+    descales with the batch and the heads they scale (a sharded sequence: the ring, with FP8
+    local calls).
 
 `jax_fa3.flash_attention` calls these two when its inputs may be partitioned
 (`may_partition`: more than one device and not inside a shard_map over every mesh axis), so
@@ -245,8 +245,7 @@ def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
     k, head dims d (q, k) and e (v, out; d again when they are equal) never sharded; the
     forward's sinks (h); segment ids and positions "b s" (queries') or "b t" (keys'), after
     the other operands (before the sinks). `fp8`: the FP8 kernel's forward, whose operands end
-    with the descales "b h" (q) and "b k" (k, v), and whose sequences are never sharded (no
-    FP8 ring yet).
+    with the descales "b h" (q) and "b k" (k, v).
 
     Query and kv heads are separate factors rather than the compound "(k g)": when the
     query-head sharding is finer than heads_kv, Shardy would split the mesh axis into
@@ -266,10 +265,7 @@ def _sharding_rule(q_shape, k_shape, backward: bool, with_dlse: bool = False,
         sinks = ", h" if with_sinks else ""
         descales = f", b h, b {hk}, b {hk}" if fp8 else ""
         rule = f"{q}, {kv}, {vv}{seg}{sinks}{descales} -> {o}, {lse}"
-    whole = {"d", e} | ({"s", t} if fp8 else set())
-    # Shardy wants them in the order the factors first appear in the rule.
-    order = list(dict.fromkeys(rule.replace(",", " ").replace("->", " ").split()))
-    return rule, dict(need_replication_factors=tuple(sorted(whole, key=order.index)))
+    return rule, dict(need_replication_factors=tuple(dict.fromkeys(("d", e))))
 
 
 def _mesh_shape(mesh) -> dict:
@@ -360,20 +356,20 @@ def _bwd_in_specs(plan: AttentionShardings, with_dlse: bool, layout=()):
 
 def _local_fwd_fp8(opts: Options, plan: AttentionShardings, out_dtype, q, k, v, q_descale,
                    k_descale, v_descale):
-    """Per-device FP8 forward (whole sequences): the device's kv head picked as in
-    `_local_fwd`, with its k/v descales."""
+    """Per-device FP8 forward: the device's kv head picked as in `_local_fwd`, with its k/v
+    descales; a sharded sequence runs the ring with FP8 local calls (the descales belong to
+    heads, so they stay while k and v travel; each call's bf16 out is merged in float32)."""
     if plan.kv_shared:
         i = _kv_head_index(plan, k.shape[2])
         k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
         k_descale, v_descale = (lax.dynamic_slice_in_dim(x, i, 1, axis=1)
                                 for x in (k_descale, v_descale))
-    return _core.attention_fwd_fp8(q, k, v, (q_descale, k_descale, v_descale), opts,
-                                   out_dtype=out_dtype)
-
-
-def _fp8_plan(plan: AttentionShardings) -> AttentionShardings:
-    """The FP8 call's plan: batch and heads as planned, the sequence whole (no FP8 ring)."""
-    return dataclasses.replace(plan, seq=())
+    descales = (q_descale, k_descale, v_descale)
+    if plan.seq:
+        local = lambda q, k, v, opts, segments: _core.attention_fwd_fp8(q, k, v, descales, opts)
+        return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq), local_fwd=local,
+                                       out_dtype=out_dtype)
+    return _core.attention_fwd_fp8(q, k, v, descales, opts, out_dtype=out_dtype)
 
 
 def _fp8_in_specs(plan: AttentionShardings):
@@ -391,11 +387,11 @@ def _cp_fwd_fp8(opts: Options, out_dtype, q_shape, k_shape, v_shape):
         return _no_consts(_local_fwd_fp8, opts, AttentionShardings(), out_dtype)(*args)
 
     def infer(mesh, arg_shapes, result_shape):
-        plan = _fp8_plan(_callback_plan(mesh, arg_shapes))
+        plan = _callback_plan(mesh, arg_shapes)
         return _named(mesh, (plan.q, plan.lse))
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _fp8_plan(_callback_plan(mesh, arg_shapes))
+        plan = _callback_plan(mesh, arg_shapes)
         lower = lambda *args: _local_fwd_fp8(opts, plan, out_dtype, *args)
         return mesh, lower, _named(mesh, (plan.q, plan.lse)), _named(mesh, _fp8_in_specs(plan))
 
@@ -458,13 +454,13 @@ def partitioned_attention_fwd(q, k, v, opts: Options, sinks=None, segments=None)
 
 def partitioned_attention_fwd_fp8(q, k, v, descales, opts: Options, out_dtype):
     """`jax_fa3._core.attention_fwd_fp8` for the FP8 kernel's calls, as one local call per
-    device: batch and heads shard as for the other dtypes; a sharded sequence is gathered
-    (there is no FP8 ring yet). `descales`: the kernel's (q (b, hq), k and v (b, hkv)) float32
+    device: batch, heads and sequence shard as for the other dtypes (a sharded sequence runs
+    the ring with FP8 local calls). `descales`: the kernel's (q (b, hq), k and v (b, hkv)) float32
     (`_core.kernel_descales`), sharded with the batch and the heads they scale."""
     args = (q, k, v) + tuple(descales)
     mesh = _explicit_mesh(q)
     if mesh is not None:
-        plan = _fp8_plan(_explicit_plan(mesh, q, k))
+        plan = _explicit_plan(mesh, q, k)
         body = lambda plan, *xs: _local_fwd_fp8(opts, plan, out_dtype, *xs)
         return _shard_map_call(mesh, body, plan, args, _fp8_in_specs(plan), (plan.q, plan.lse))
     op = jax.custom_batching.custom_vmap(lambda *xs: tuple(

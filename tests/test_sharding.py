@@ -221,40 +221,51 @@ def test_partitioned_with_sinks_and_value_head_dim(name, types):
 
 # ----------------------------------------------------------------------------- the FP8 forward
 
-FP8_MESHES = ["batch", "heads", "batch-heads-gqa", "heads-finer-than-kv", "seq-ring"]
+FP8_MESHES = ["batch", "heads", "batch-heads-gqa", "heads-finer-than-kv", "seq-ring", "batch-seq"]
 
 
 @pytest.mark.parametrize("types", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("name", FP8_MESHES)
 def test_partitioned_fp8_equals_unsharded(name, types):
     """The FP8 kernel's partitioned call (`partitioned_attention_fwd_fp8`), its local bodies on
-    the portable FP8 path here (the kernel's numerics, on CPU): out and lse equal the
-    single-device call with the same kernel-form descales ((b, hq) for q, (b, hkv) for k and
-    v, each device taking its heads' and, where kv heads are shared, its kv head's); outputs
-    carry the query's batch and head sharding, the sequence whole (a sharded one is gathered)."""
-    from test_fp8 import _fp8_inputs
+    the portable FP8 path here (the kernel's numerics, on CPU), with the kernel-form descales
+    ((b, hq) for q, (b, hkv) for k and v; each device takes its heads' and, where kv heads are
+    shared, its kv head's). Batch / head meshes: out and lse equal the single-device call. A
+    sharded sequence runs the ring with FP8 local calls, whose P roundings follow each shard's
+    own running max and whose bf16 outs merge in float32: within the FP8 bound of the float64
+    oracle (tests/test_fp8.py) plus 2^-8 of the weight sum_j p_j |v_j| for those bf16 outs."""
+    from test_fp8 import _dequant, _fp8_inputs, _probs, fp8_bound
     shape, names, spec, hq, hkv, causal = MESHES[name]
     mesh = _mesh(shape, names, types)
     q8, qd, k8, kd, v8, vd = _fp8_inputs(21, 8, 16, 16, hq, hkv, 16)
     descales = _core.kernel_descales((qd, kd, vd), 8, hq, hkv)
-    opts = dataclasses.replace(_opts(causal, window_size=(6, -1)), implementation="xla")
-    local = jax.jit(lambda q, k, v, d: _core.attention_fwd_fp8(q, k, v, d, opts))
-    want = local(q8, k8, v8, descales)
-    plan = sharding._fp8_plan(sharding.plan_shardings(dict(mesh.shape), spec, q8.shape, k8.shape))
+    window = (6, -1)
+    opts = dataclasses.replace(_opts(causal, window_size=window), implementation="xla")
+    plan = sharding.plan_shardings(dict(mesh.shape), spec, q8.shape, k8.shape)
     qs, = _put(mesh, spec, q8)
     ks, vs = _put(mesh, _kv_input_spec(mesh, spec, hkv), k8, v8)
     specs = sharding._fp8_in_specs(plan)[3:]
     ds = tuple(jax.device_put(x, NamedSharding(mesh, sp)) for x, sp in zip(descales, specs))
     got = jax.jit(lambda q, k, v, d: sharding.partitioned_attention_fwd_fp8(
         q, k, v, d, opts, jnp.bfloat16))(qs, ks, vs, ds)
-    # The same local computation, fused differently: lse within float32 rounding, out within
-    # one bf16 step (a wrong head or descale would be off by far more).
-    for label, a, r, rtol in zip(("out", "lse"), got, want, (2.0 ** -7, 1e-6)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32),
-                                   rtol=rtol, atol=1e-6, err_msg=f"{name}: {label}")
-    assert plan.seq == ()
-    if types == AxisType.Explicit or not name.startswith("seq"):  # Auto: XLA may reshard out
+    if types == AxisType.Explicit or not plan.seq:  # Auto: XLA may reshard out
         assert _same_spec(got[0].sharding.spec, plan.q), got[0].sharding.spec
+    if not plan.seq:
+        # The same local computation, fused differently: lse within float32 rounding, out
+        # within one bf16 step (a wrong head or descale would be off by far more).
+        local = jax.jit(lambda q, k, v, d: _core.attention_fwd_fp8(q, k, v, d, opts))
+        want = local(q8, k8, v8, descales)
+        for label, a, r, rtol in zip(("out", "lse"), got, want, (2.0 ** -7, 1e-6)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32),
+                                       rtol=rtol, atol=1e-6, err_msg=f"{name}: {label}")
+        return
+    q, k, v = _dequant(q8, qd), _dequant(k8, kd), _dequant(v8, vd)
+    ref_opts = dict(softmax_scale=0.3, causal=causal, window_size=window)
+    bound, ref = fp8_bound(q, k, v, jnp.bfloat16, **ref_opts)
+    weight = np.einsum("bhqk,bkhd->bqhd", _probs(q, k, **ref_opts),
+                       np.repeat(np.abs(v), hq // hkv, axis=2))
+    err = np.abs(np.asarray(got[0]).astype(np.float64) - ref)
+    assert (err <= bound + 2.0 ** -8 * weight).all(), f"{name}: {(err - bound).max():.3e}"
 
 
 def test_flash_attention_fp8_kernel_route_partitions(monkeypatch):
@@ -295,16 +306,14 @@ def test_flash_attention_fp8_kernel_route_partitions(monkeypatch):
     assert _same_spec(got[0].sharding.spec, spec)
 
 
-def test_fp8_sharding_rule_and_plan():
-    """The FP8 rule ends with the descales and keeps the sequences whole; the plan drops a
-    sequence sharding and shards the descales with their batch and heads."""
+def test_fp8_sharding_rule_and_specs():
+    """The FP8 rule ends with the descales; the descales shard with their batch and heads."""
     rule, kw = sharding._sharding_rule((1, 8, 8, 64), (1, 16, 2, 64), False, fp8=True)
     assert rule == "b s h d, b t k d, b t k d, b h, b k, b k -> b s h d, b h s"
-    assert kw == {"need_replication_factors": ("s", "d", "t")}  # in order of appearance
+    assert kw == {"need_replication_factors": ("d",)}
     mesh = {"data": 2, "model": 4, "sp": 2}
-    plan = sharding._fp8_plan(sharding.plan_shardings(
-        mesh, P("data", "sp", "model"), (2, 8, 8, 64), (2, 8, 2, 64)))
-    assert plan.seq == () and plan.q == P("data", None, "model", None)
+    plan = sharding.plan_shardings(mesh, P("data", "sp", "model"), (2, 8, 8, 64), (2, 8, 2, 64))
+    assert plan.seq == ("sp",) and plan.kv_shared == ("model",)
     assert sharding._fp8_in_specs(plan)[3:] == (P("data", "model"), P("data", None), P("data", None))
 
 
