@@ -294,13 +294,13 @@ def _no_consts(body, *static):
     return jax.jit(functools.partial(body, *static))
 
 
-def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool, layout=()):
-    """custom_partitioning forward for one set of static options (operands q, k, v, the
-    segment operands of `layout` and, when with_sinks, the sinks)."""
+def _cp_forward(local, opts: Options, static, in_specs, rule_and_kwargs):
+    """custom_partitioning of a forward body `local(opts, plan, static, *operands)` that
+    returns (out, lse) with the query's sharding; `in_specs(plan)`: the operands' specs."""
 
     @custom_partitioning
     def op(*args):
-        return _no_consts(_local_fwd, opts, AttentionShardings(), layout)(*args)
+        return _no_consts(local, opts, AttentionShardings(), static)(*args)
 
     def infer(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
@@ -308,14 +308,21 @@ def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool, layout=(
 
     def partition(mesh, arg_shapes, result_shape):
         plan = _callback_plan(mesh, arg_shapes)
-        lower = lambda *args: _local_fwd(opts, plan, layout, *args)
-        return (mesh, lower, _named(mesh, (plan.q, plan.lse)),
-                _named(mesh, _fwd_in_specs(plan, with_sinks, layout)))
+        lower = lambda *args: local(opts, plan, static, *args)
+        return mesh, lower, _named(mesh, (plan.q, plan.lse)), _named(mesh, in_specs(plan))
 
-    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False, with_sinks=with_sinks,
-                                  v_shape=v_shape, segment_layout=layout)
+    rule, kwargs = rule_and_kwargs
     op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
     return op
+
+
+def _cp_fwd(opts: Options, q_shape, k_shape, v_shape, with_sinks: bool, layout=()):
+    """custom_partitioning forward for one set of static options (operands q, k, v, the
+    segment operands of `layout` and, when with_sinks, the sinks)."""
+    return _cp_forward(_local_fwd, opts, layout,
+                       lambda plan: _fwd_in_specs(plan, with_sinks, layout),
+                       _sharding_rule(q_shape, k_shape, backward=False, with_sinks=with_sinks,
+                                      v_shape=v_shape, segment_layout=layout))
 
 
 def _fwd_in_specs(plan: AttentionShardings, with_sinks: bool, layout=()):
@@ -381,23 +388,8 @@ def _fp8_in_specs(plan: AttentionShardings):
 
 def _cp_fwd_fp8(opts: Options, out_dtype, q_shape, k_shape, v_shape):
     """custom_partitioning of the FP8 forward (operands q, k, v and the kernel's descales)."""
-
-    @custom_partitioning
-    def op(*args):
-        return _no_consts(_local_fwd_fp8, opts, AttentionShardings(), out_dtype)(*args)
-
-    def infer(mesh, arg_shapes, result_shape):
-        plan = _callback_plan(mesh, arg_shapes)
-        return _named(mesh, (plan.q, plan.lse))
-
-    def partition(mesh, arg_shapes, result_shape):
-        plan = _callback_plan(mesh, arg_shapes)
-        lower = lambda *args: _local_fwd_fp8(opts, plan, out_dtype, *args)
-        return mesh, lower, _named(mesh, (plan.q, plan.lse)), _named(mesh, _fp8_in_specs(plan))
-
-    rule, kwargs = _sharding_rule(q_shape, k_shape, backward=False, v_shape=v_shape, fp8=True)
-    op.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **kwargs)
-    return op
+    return _cp_forward(_local_fwd_fp8, opts, out_dtype, _fp8_in_specs,
+                       _sharding_rule(q_shape, k_shape, backward=False, v_shape=v_shape, fp8=True))
 
 
 # ----------------------------------------------------------------------------- explicit axes
