@@ -105,29 +105,30 @@ CUTE_DEVICE uint32_t per_block(uint32_t x) {
 // One V block at shared addresses v (stage base) to vt. Two units at a time: their 8 loads are in
 // flight together before the permutes.
 template <class T>
-CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, uint32_t const (&offs)[Fp8TransposeMap<T>::kUnitsPerThread],
-                                     int tid) {
+CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt,
+                                     uint32_t const (&offs)[Fp8TransposeMap<T>::kUnitsPerThread], int tid) {
   using Map = Fp8TransposeMap<T>;
+  constexpr int kThreads = T::kNumTransposeThreads;
+  // Every thread has unit i but, where the threads do not divide the units, the last one.
+  auto has_unit = [&](int i) { return (i + 1) * kThreads <= Map::kUnits || tid + i * kThreads < Map::kUnits; };
   CUTLASS_PRAGMA_UNROLL
   for (int i0 = 0; i0 < Map::kUnitsPerThread; i0 += 2) {
     uint32_t w[2][4];
     CUTLASS_PRAGMA_UNROLL
     for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
-      if ((i + 1) * T::kNumTransposeThreads <= Map::kUnits || tid + i * T::kNumTransposeThreads < Map::kUnits) {
-        uint32_t const ld = per_block(offs[i]) & 0xffffu;
-        CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < 4; ++k) w[i - i0][k] = lds_u32(v + (ld ^ Map::load_xor(k)));
-      }
+      if (!has_unit(i)) continue;
+      uint32_t const ld = per_block(offs[i]) & 0xffffu;
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < 4; ++k) w[i - i0][k] = lds_u32(v + (ld ^ Map::load_xor(k)));
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
-      if ((i + 1) * T::kNumTransposeThreads <= Map::kUnits || tid + i * T::kNumTransposeThreads < Map::kUnits) {
-        uint32_t const st = per_block(offs[i]) >> 16;
-        uint32_t out[4];
-        transpose_4x4_bytes(w[i - i0], out);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j) sts_u32(vt + (st ^ Map::store_xor(j)), out[j]);
-      }
+      if (!has_unit(i)) continue;
+      uint32_t const st = per_block(offs[i]) >> 16;
+      uint32_t out[4];
+      transpose_4x4_bytes(w[i - i0], out);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) sts_u32(vt + (st ^ Map::store_xor(j)), out[j]);
     }
   }
 }
@@ -153,7 +154,8 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
     for (int n = tile.n_begin; n < tile.n_end; ++n) {
       pipe_v.consumer_wait(read);
       pipe_vt.producer_acquire(write);
-      fwd_transpose_block<T>(v0 + read.index() * Map::kStageBytes, vt0 + write.index() * Map::kStageBytes, offs, tid);
+      uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
+      fwd_transpose_block<T>(v, vt, offs, tid);
       cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
       pipe_vt.producer_commit(write);
       pipe_v.consumer_release(read);
