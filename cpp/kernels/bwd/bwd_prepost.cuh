@@ -56,10 +56,11 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   constexpr int kPasses = (kBlockM + kRowsPerPass - 1) / kRowsPerPass;
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int part = threadIdx.x % kThreadsPerRow, col0 = part * 8;  // out's head dim: whole vectors
+  auto block_row = [&](int pass) -> int { return pass * kRowsPerPass + threadIdx.x / kThreadsPerRow; };
   uint4 ov[kPasses], dv[kPasses];
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kPasses; ++i) {
-    const int r = i * kRowsPerPass + threadIdx.x / kThreadsPerRow, row = m * kBlockM + r;
+    const int r = block_row(i), row = m * kBlockM + r;
     ov[i] = dv[i] = make_uint4(0u, 0u, 0u, 0u);
     if (r < kBlockM && row < p.seqlen_q && col0 < p.head_dim_v) {
       const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
     for (int e = 0; e < 8; ++e) acc += float(oe[e]) * float(de[e]);
     CUTLASS_PRAGMA_UNROLL
     for (int s = 1; s < kThreadsPerRow; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    const int r = i * kRowsPerPass + threadIdx.x / kThreadsPerRow, row = m * kBlockM + r;
+    const int r = block_row(i), row = m * kBlockM + r;
     if (part == 0 && r < kBlockM) {
       const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
       float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
