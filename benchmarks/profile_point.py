@@ -45,12 +45,11 @@ def main(argv=None) -> int:
     if args.dtype == "float8_e4m3fn":
         if (args.impl, args.direction) != ("jax_fa3", "fwd"):
             p.error("--dtype float8_e4m3fn profiles jax_fa3's forward only")
-        import jax_fa3
-        (q, qd), (k, kd), (v, vd) = (jax_fa3.quantize_fp8(jax.random.normal(key, shape, jnp.bfloat16))
-                                     for key in keys)
-        fn = lambda q, k, v: jax_fa3.flash_attention(  # noqa: E731
-            q, k, v, causal=bool(args.causal), q_descale=qd, k_descale=kd, v_descale=vd,
-            implementation="cuda")
+        from bench_fp8 import point_fns  # the benchmark's FP8 call, on its per-head quantization
+        from jax_fa3.fp8 import quantize_fp8
+        fp8_inputs = [quantize_fp8(jax.random.normal(key, shape, jnp.float32), granularity="head")
+                      for key in keys]
+        fn, (q, k, v) = point_fns("jax_fa3_fp8", bool(args.causal), fp8_inputs, None)
     else:
         q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
         fn = attention_fn(args.impl, bool(args.causal))
