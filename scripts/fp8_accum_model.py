@@ -33,7 +33,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the tests' helpers; jax_fa3 from this tree
 import test_fp8_gpu as T  # noqa: E402
-from test_fp8 import _dequant, fp8_bound  # noqa: E402
+from test_fp8 import _dequant, _weight, fp8_bound  # noqa: E402
 
 # The model runs without the extension: the head dims here are the kernels'.
 T._ffi.kernel_head_dim = lambda direction, dtype, d, dv: d
@@ -103,7 +103,7 @@ def score(d, sq, sk, causal, bits):
     block_n = T.KERNEL_BLOCK_N["banded" if causal else "full"][d]  # causal: the banded tile
     got, lse = kernel(q8, qd, k8, kd, v8, vd, causal, block_n, bits)
     q, k, v = (_dequant(x, xd) for x, xd in ((q8, qd), (k8, kd), (v8, vd)))
-    w = np.maximum(T._weight(q, k, v, causal=causal), 1e-30)
+    w = np.maximum(_weight(q, k, v, causal=causal), 1e-30)
     oracle = np.asarray(o_out).astype(np.float64)
     excess = np.abs(got - oracle) - (T.OUT_STEP * np.abs(oracle) + 1e-6 * (1 + np.abs(oracle)))
     bound, ref = fp8_bound(q, k, v, jnp.bfloat16, causal=causal)

@@ -178,6 +178,14 @@ def fp8_bound(q, k, v, out_dtype, sinks=None, **opts):
     return bound + out_half_ulp * np.abs(ref) + 1e-5 * (1 + vv.max()), ref
 
 
+def _weight(q, k, v, **opts):
+    """sum_j p_j |v_j| per output element (b, sq, hq, dv), float64: the scale of the FP8
+    path's errors (P rounded to e4m3 moves each term by a fraction of p_j |v_j|)."""
+    hq = q.shape[2]
+    p = _probs(q, k, **opts)
+    return np.einsum("bhqk,bkhd->bqhd", p, np.repeat(np.abs(v), hq // v.shape[2], axis=2))
+
+
 def _probs(q, k, sinks=None, softmax_scale=None, causal=False, window_size=(-1, -1),
            softcap=0.0, segments=None):
     """float64 softmax probabilities (b, hq, sq, sk) of the oracle's rule."""

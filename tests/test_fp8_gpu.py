@@ -40,7 +40,7 @@ import numpy as np
 import pytest
 
 import helpers
-from test_fp8 import _dequant, _fp8_inputs, _probs, fp8_bound
+from test_fp8 import _dequant, _fp8_inputs, _weight, fp8_bound
 from jax_fa3 import _ffi, _masks, flash_attention, portable_fp8
 
 pytestmark = pytest.mark.gpu
@@ -89,13 +89,6 @@ def _oracle(q8, qd, k8, kd, v8, vd, *, out_dtype=BF16, causal=False, window_size
     return jax.device_get(portable_fp8.forward(
         q8, k8, v8, (qd, kd, vd), softmax_scale=scale, softcap=softcap, left=left, right=right,
         out_dtype=out_dtype, block_k=block_n, kernel_blocks=True))
-
-
-def _weight(q, k, v, **opts):
-    """sum_j p_j |v_j| per output element (b, sq, hq, dv), float64."""
-    hq = q.shape[2]
-    p = _probs(q, k, **opts)
-    return np.einsum("bhqk,bkhd->bqhd", p, np.repeat(np.abs(v), hq // v.shape[2], axis=2))
 
 
 def _check(name, inputs, out_dtype=BF16, **opts):

@@ -234,7 +234,7 @@ def test_partitioned_fp8_equals_unsharded(name, types):
     sharded sequence runs the ring with FP8 local calls, whose P roundings follow each shard's
     own running max and whose bf16 outs merge in float32: within the FP8 bound of the float64
     oracle (tests/test_fp8.py) plus 2^-8 of the weight sum_j p_j |v_j| for those bf16 outs."""
-    from test_fp8 import _dequant, _fp8_inputs, _probs, fp8_bound
+    from test_fp8 import _dequant, _fp8_inputs, _weight, fp8_bound
     shape, names, spec, hq, hkv, causal = MESHES[name]
     mesh = _mesh(shape, names, types)
     q8, qd, k8, kd, v8, vd = _fp8_inputs(21, 8, 16, 16, hq, hkv, 16)
@@ -262,8 +262,7 @@ def test_partitioned_fp8_equals_unsharded(name, types):
     q, k, v = _dequant(q8, qd), _dequant(k8, kd), _dequant(v8, vd)
     ref_opts = dict(softmax_scale=0.3, causal=causal, window_size=window)
     bound, ref = fp8_bound(q, k, v, jnp.bfloat16, **ref_opts)
-    weight = np.einsum("bhqk,bkhd->bqhd", _probs(q, k, **ref_opts),
-                       np.repeat(np.abs(v), hq // hkv, axis=2))
+    weight = _weight(q, k, v, **ref_opts)
     err = np.abs(np.asarray(got[0]).astype(np.float64) - ref)
     assert (err <= bound + 2.0 ** -8 * weight).all(), f"{name}: {(err - bound).max():.3e}"
 
