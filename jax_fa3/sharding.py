@@ -169,6 +169,17 @@ def _kv_head_index(plan: AttentionShardings, heads_kv_local: int):
     return lax.axis_index(shared) * heads_kv_local // lax.axis_size(shared)
 
 
+def _own_kv_head(plan: AttentionShardings, k, v, *per_head):
+    """With k/v replicated over plan.kv_shared: (i, k, v, *per_head) cut to kv head i, the one
+    this device's query heads read (k, v along axis 2; `per_head`, e.g. descales (b, hkv),
+    along axis 1); otherwise (None, k, v, *per_head) as they are."""
+    if not plan.kv_shared:
+        return (None, k, v) + per_head
+    i = _kv_head_index(plan, k.shape[2])
+    cut = lambda x, axis: lax.dynamic_slice_in_dim(x, i, 1, axis=axis)
+    return (i, cut(k, 2), cut(v, 2)) + tuple(cut(x, 1) for x in per_head)
+
+
 # Packed sequences cross the custom_partitioning and shard_map boundaries as plain operands:
 # the fields of a Segments that are not None, in order, and a static tuple of which fields
 # they are ("layout"), from which the local bodies rebuild the record.
@@ -201,9 +212,7 @@ def _local_fwd(opts: Options, plan: AttentionShardings, layout, q, k, v, *rest):
     n = sum(layout)
     segments = _segments_of(layout, rest[:n])
     sinks = rest[n] if len(rest) > n else None
-    if plan.kv_shared:
-        i = _kv_head_index(plan, k.shape[2])
-        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
+    _, k, v = _own_kv_head(plan, k, v)
     if plan.seq:
         return ring.ring_attention_fwd(q, k, v, opts, _ring(plan.seq), sinks=sinks,
                                        segments=segments)
@@ -218,9 +227,7 @@ def _local_bwd(opts: Options, plan: AttentionShardings, layout, with_dlse: bool,
     dlse = rest[0] if with_dlse else None
     segments = _segments_of(layout, rest[int(with_dlse):])
     k_all, v_all = k, v
-    if plan.kv_shared:
-        i = _kv_head_index(plan, k.shape[2])
-        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
+    i, k, v = _own_kv_head(plan, k, v)
     if plan.seq:
         dq, dk, dv = ring.ring_attention_bwd(q, k, v, out, lse, dout, opts, _ring(plan.seq),
                                              dlse=dlse, segments=segments)
@@ -366,11 +373,7 @@ def _local_fwd_fp8(opts: Options, plan: AttentionShardings, out_dtype, q, k, v, 
     """Per-device FP8 forward: the device's kv head picked as in `_local_fwd`, with its k/v
     descales; a sharded sequence runs the ring with FP8 local calls (the descales belong to
     heads, so they stay while k and v travel; each call's bf16 out is merged in float32)."""
-    if plan.kv_shared:
-        i = _kv_head_index(plan, k.shape[2])
-        k, v = (lax.dynamic_slice_in_dim(x, i, 1, axis=2) for x in (k, v))
-        k_descale, v_descale = (lax.dynamic_slice_in_dim(x, i, 1, axis=1)
-                                for x in (k_descale, v_descale))
+    _, k, v, k_descale, v_descale = _own_kv_head(plan, k, v, k_descale, v_descale)
     descales = (q_descale, k_descale, v_descale)
     if plan.seq:
         local = lambda q, k, v, opts, segments: _core.attention_fwd_fp8(q, k, v, descales, opts)
