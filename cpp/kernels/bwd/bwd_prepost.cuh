@@ -42,6 +42,18 @@ CUTE_DEVICE int64_t bshd_offset(PrePostParams const& p, int b, int row, int h, i
   return ((int64_t(b) * p.seqlen_q + row) * p.heads_q + h) * head_dim;
 }
 
+// 16 bytes from global memory, or zeros where !valid, as one predicated load. Written plainly
+// (a branch around the load), nvcc 13.0 split the vector into 16-bit halves inside the branch, so
+// every pass's load was waited for before the next one was issued.
+CUTE_DEVICE uint4 load_16b_or_zero(const void* ptr, bool valid) {
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n @p ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(ptr), "r"(int(valid)));
+  return v;
+}
+
 template <class Tr>
 __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams p) {
   using Element = typename Tr::Element;
@@ -61,14 +73,25 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kPasses; ++i) {
     const int r = block_row(i), row = m * kBlockM + r;
-    ov[i] = dv[i] = make_uint4(0u, 0u, 0u, 0u);
-    if (r < kBlockM && row < p.seqlen_q && col0 < p.head_dim_v) {
-      const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
-      ov[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.out) + off);
-      dv[i] = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.dout) + off);
-    }
+    const bool valid = r < kBlockM && row < p.seqlen_q && col0 < p.head_dim_v;
+    const int64_t off = bshd_offset(p, b, row, h, p.head_dim_v) + col0;
+    ov[i] = load_16b_or_zero(static_cast<const Element*>(p.out) + off, valid);
+    dv[i] = load_16b_or_zero(static_cast<const Element*>(p.dout) + off, valid);
   }
   const int64_t bh = int64_t(b) * p.heads_q + h;
+  // The dQ accumulator's clear and the LSE conversion go out while those loads are in flight.
+  float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
+  // lse_log2 needs no product: thread t converts row t's LSE while the O/dO loads are in flight
+  // (read by each pass's row owner after its reduction, it cost every pass one memory latency).
+  static_assert(kBlockM <= 256);
+  if (threadIdx.x < kBlockM) {
+    const int row = m * kBlockM + threadIdx.x;
+    const float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
+    p.lse_log2[bh * (int64_t(p.m_blocks) * kBlockM) + row] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  }
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kPasses; ++i) {
     const Element* oe = reinterpret_cast<const Element*>(&ov[i]);
@@ -81,16 +104,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
     const int r = block_row(i), row = m * kBlockM + r;
     if (part == 0 && r < kBlockM) {
       const int64_t idx = bh * (int64_t(p.m_blocks) * kBlockM) + row;
-      float l = row < p.seqlen_q ? p.lse[bh * p.seqlen_q + row] : -INFINITY;
       p.dpsum[idx] = acc;
       if (p.dpsum_out != nullptr && row < p.seqlen_q) p.dpsum_out[bh * p.seqlen_q + row] = acc;
-      p.lse_log2[idx] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
     }
   }
-  float4* dq = reinterpret_cast<float4*>(p.dq_accum + (bh * p.m_blocks + m) * int64_t(kBlockM * kHeadDim));
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = threadIdx.x; i < kBlockM * kHeadDim / 4; i += 256) dq[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (threadIdx.x == 0) p.dq_sem[bh * p.m_blocks + m] = 0;
 }
 
 // Postprocess. The accumulator holds each dQ chunk in the fragment order of the main kernel's
