@@ -3,7 +3,8 @@
     python3 benchmarks/ab_compare.py OUT/ab_tables.md [more.md ...] [--out summary.md]
 
 Each table in the files is one benchmark run of one variant (its tag, the variant's name, is in
-the table's title). A variant run more than once (AB_ABBA=1: base, x, x, base) gets the
+the table's title): benchmarks/bench_attention.py's (jax_fa3 per direction) or bench_fp8.py's
+(jax_fa3_fp8, direction "fp8"). A variant run more than once (AB_ABBA=1: base, x, x, base) gets the
 geometric mean of its runs' jax_fa3 TFLOP/s per point, so a drift of the card over the call
 cancels; the summary gives that mean per variant and its ratio to the first variant named.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 
 TITLE = re.compile(r"heads\*head_dim=\d+, (\S+) \(TFLOP/s")
 ROW = re.compile(r"\| (fwd|bwd) \| (\d+) \| (no|yes) \| (\d+) \| ([\d.]+)")
+# benchmarks/bench_fp8.py's rows: hd, causal, seqlen, then jax_fa3_fp8 first (direction "fp8").
+ROW_FP8 = re.compile(r"\| (\d+) \| (no|yes) \| (\d+) \| ([\d.]+)")
 
 
 def read_runs(paths: list[Path]) -> dict[str, list[dict[tuple, float]]]:
@@ -33,6 +36,9 @@ def read_runs(paths: list[Path]) -> dict[str, list[dict[tuple, float]]]:
             elif (row := ROW.match(line)) and current is not None:
                 d, hd, causal, seqlen, tflops = row.groups()
                 current[(d, int(hd), causal, int(seqlen))] = float(tflops)
+            elif (row := ROW_FP8.match(line)) and current is not None:
+                hd, causal, seqlen, tflops = row.groups()
+                current[("fp8", int(hd), causal, int(seqlen))] = float(tflops)
     return runs
 
 

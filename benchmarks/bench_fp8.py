@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     records = run_grid(args)
     name = f"{dt.date.today()}-{gpu_name()}-fp8" + (f"-{args.tag}" if args.tag else "")
     header = (f"FP8 attention forward, {dt.date.today()}, {gpu_name()}, jax {jax.__version__}, "
-              f"batch*seqlen={args.tokens}, heads*head_dim={args.hidden} (TFLOP/s)")
+              f"batch*seqlen={args.tokens}, heads*head_dim={args.hidden}{', ' + args.tag if args.tag else ''} (TFLOP/s)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps({"gemm": gemm, "records": records}, indent=1))
     md = markdown(records, gemm, header)

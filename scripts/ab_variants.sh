@@ -6,6 +6,8 @@
 # DEFINES are an experiment's switches (FA3_KERNEL_DEFINES, scripts/build_variant.sh); the build set is
 # FA3_HEAD_DIMS / FA3_DTYPES / FA3_DIRECTIONS as for scripts/gpu_cycle.sh, the benchmark
 # BENCH_ARGS (passed to benchmarks/bench_attention.py; give it --impls ... cudnn for a yardstick).
+# AB_BENCH=fp8 times benchmarks/bench_fp8.py instead (BENCH_ARGS go to it; e.g. "--impls
+# jax_fa3_fp8 --no-gemm --head-dims 256").
 # Each variant is installed into its own folder (/tmp/variant_NAME), so an installed build and a
 # GPU suite running from it (scripts/gpu_cycle.sh on another GPU) are left alone; AB_GPU picks
 # the benchmark's GPU (CUDA_VISIBLE_DEVICES).
@@ -77,12 +79,17 @@ run_all() {
 
 bench() {  # bench NAME: the benchmark of /tmp/variant_NAME, its table appended to ab_tables.md
   # The per-point timing lines are left out of the log; "unsupported" and warnings stay.
-  CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$1:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P benchmarks/bench_attention.py \
+  local script=benchmarks/bench_attention.py rows="^\| (fwd|bwd) \| [0-9]+ \| (no|yes) \| [0-9]+ \| [0-9.]+ \|"
+  if [ "${AB_BENCH:-}" = fp8 ]; then
+    script=benchmarks/bench_fp8.py rows="^\| [0-9]+ \| (no|yes) \| [0-9]+ \| [0-9.]+ \|"
+  fi
+  rm -f /tmp/ab_results/*-"$1".md
+  CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$1:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P $script \
     --out /tmp/ab_results --tag "$1" ${BENCH_ARGS:-} 2>&1 | grep -v " TFLOP/s$" || return 1
   cat /tmp/ab_results/*-"$1".md >>"$OUT/ab_tables.md"
-  # A table without rows is a failed variant, not an empty A/B (session 8: a backward-only build
-  # has no forward kernel, so jax_fa3 could run no point, and nothing said so).
-  grep -qE "^\| (fwd|bwd) \|" /tmp/ab_results/*-"$1".md || { echo "variant $1: the benchmark timed no point"; return 1; }
+  # A table without timed rows is a failed variant, not an empty A/B (session 8: a backward-only
+  # build has no forward kernel, so jax_fa3 could run no point, and nothing said so).
+  grep -qE "$rows" /tmp/ab_results/*-"$1".md || { echo "variant $1: the benchmark timed no point"; return 1; }
 }
 
 run_all "$@" 2>&1 | tee "$OUT/ab.log"

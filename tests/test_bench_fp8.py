@@ -31,6 +31,7 @@ def test_bench_fp8_runs_and_reports(tmp_path, monkeypatch):
         assert "no FP8 inputs" in records[("cudnn_fp8", causal)]["skipped"]
     assert data["gemm"] == {"skipped": "--no-gemm"}
     md = js.with_suffix(".md").read_text()
+    assert md.splitlines()[0].endswith("heads*head_dim=128, t (TFLOP/s)")  # the tag: ab_compare's variant
     assert "| 64 | yes | 128 |" in md and "| 64 | no | 128 |" in md
     assert "Not run (n/a):" in md and "fp8 / bf16" in md
     assert md.count("x | - |") == 2  # fp8 / bf16 given per point; fp8 / fa3_fp8 not (no fa3)

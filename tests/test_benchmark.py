@@ -134,3 +134,19 @@ def test_ab_compare_takes_geometric_means_per_variant(tmp_path):
     row = ab_compare.summary(runs).splitlines()[2]
     base, x = (100.0 * 110.0) ** 0.5, (120.0 * 130.0) ** 0.5
     assert f"{base:.1f}" in row and f"{x:.1f}" in row and f"{x / base:.3f}" in row
+
+
+def test_ab_compare_reads_fp8_tables(tmp_path):
+    """bench_fp8.py's tables (scripts/ab_variants.sh AB_BENCH=fp8): the variant from the title,
+    jax_fa3_fp8 (the first column after the point) per (hd, causal, seqlen)."""
+    import ab_compare
+    def table(tag, tflops):
+        return (f"# FP8 attention forward, x, batch*seqlen=16384, heads*head_dim=2048, {tag} (TFLOP/s)\n\n"
+                "FP8 matmul ceiling (8192^3 e4m3 GEMM through XLA, bf16 out): n/a (--no-gemm)\n\n"
+                "| hd | causal | seqlen | jax_fa3_fp8 | fp8 / bf16 | fp8 / fa3_fp8 |\n|---|---|---|---|---|---|\n"
+                f"| 256 | no | 16384 | {tflops} | - | - |\n\n")
+    path = tmp_path / "ab_tables.md"
+    path.write_text(table("base", 800.0) + table("pp", 900.0))
+    runs = ab_compare.read_runs([path])
+    assert runs == {"base": [{("fp8", 256, "no", 16384): 800.0}], "pp": [{("fp8", 256, "no", 16384): 900.0}]}
+    assert "| 1.125 |" in ab_compare.summary(runs)
