@@ -263,6 +263,12 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         const int prev_stage = (it + kStages - 1) % kStages;
         const bool pending = Tr::kOverlapDK && it != it_pass;
         TxBar::wait(&ss.full[stage], phase);
+        // kSplitQdO: dO and D are waited for right before the first dP^T (S^T is issued first).
+        auto wait_do = [&](int sub) {
+          if constexpr (Tr::kSplitQdO) {
+            if (sub == 0) TxBar::wait(&ss.full_do[stage], phase);
+          }
+        };
 
         // kSdPAhead: every sub-step's S^T and dP^T issued here (see above).
         constexpr int kAhead = Tr::kSdPAhead ? 2 * (Tr::kSubM - 1) : 0;
@@ -272,6 +278,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           CUTLASS_PRAGMA_UNROLL
           for (int sub = 0; sub < Tr::kSubM; ++sub) {
             wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS_sub[sub]);
+            wait_do(sub);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP_sub[sub]);
           }
         }
@@ -284,6 +291,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           FragSdP& tdPrdP = Tr::kSdPAhead ? tdPrdP_sub[Tr::kSdPAhead ? sub : 0] : tdPrdP_own;
           if constexpr (!Tr::kSdPAhead) {
             wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
+            wait_do(sub);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
           }
           const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
@@ -398,6 +406,11 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // the register reallocation (ptxas would spill it).
   if (threadIdx.x == 0) {
     init_ring_barriers<Tr>(aligned_storage<typename Tr::SharedStorage, false>(smem_raw));
+    if constexpr (Tr::kSplitQdO) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < Tr::kStages; ++s)
+        cutlass::arch::ClusterTransactionBarrier::init(&aligned_storage<typename Tr::SharedStorage, false>(smem_raw).full_do[s], 1);
+    }
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
       cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());

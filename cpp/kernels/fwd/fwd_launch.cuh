@@ -118,10 +118,14 @@ struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
 };
+// Experiment (issue 28, A/B pending; docs/experiments.md): ping-pong on the FP8 hd256 tile.
+#ifndef FA3_FP8_HD256_PINGPONG
+#define FA3_FP8_HD256_PINGPONG 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 256> {
-  using full = FwdTraits<Fp8, 256, 128, 64, 3, false, false>;
-  using banded = FwdTraits<Fp8, 256, 128, 64, 3, false, true>;
+  using full = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, false>;
+  using banded = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, true>;
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
