@@ -124,7 +124,11 @@ struct FwdTileTable<Fp8, 128> {
 #endif
 template <>
 struct FwdTileTable<Fp8, 256> {
+#if FA3_FP8_LEAN_TRANSPOSER  // 128 x 128, 2 stages: 32 + 3 x 2 x 32 = 224 KB; O 128 + S 64 + P 16 of 240
+  using full = FwdTraits<Fp8, 256, 128, 128, 2, true, false>;
+#else
   using full = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, false>;
+#endif
   using banded = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, true>;
 };
 

@@ -11,6 +11,14 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
+// Experiment (issue 28, A/B pending; docs/kernels.md): the FP8 transposers on FA3's register
+// budget. Each unit's offsets are computed at every block (fwd_transpose.cuh) instead of held in
+// a per-thread table (16-22 registers: the spills at 32), so the producer warpgroup fits in 32
+// registers and the consumers get 240, enough for hd256's 128-key block (fwd_launch.cuh).
+#ifndef FA3_FP8_LEAN_TRANSPOSER
+#define FA3_FP8_LEAN_TRANSPOSER 0
+#endif
+
 namespace fa3 {
 
 // FP8 only: the transposed V ring (fwd_transpose.cuh), empty otherwise (a base class, so that it
@@ -66,8 +74,10 @@ struct FwdTraits {
   // (fwd_transpose.cuh); 56 producer registers for the transposers' addresses and words (128 * 56
   // + 256 * 224 = 64512; the consumers hold O d/2 + S kBlockN/2 + P kBlockN/8).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  static constexpr int kProducerRegs = kFp8 ? 56 : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kFp8 ? 224 : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
+  // FA3_FP8_LEAN_TRANSPOSER: on the hd256 128-key tile only (the others spilled 8-1060 B so).
+  static constexpr bool kLeanTranspose = kFp8 && FA3_FP8_LEAN_TRANSPOSER && kHeadDim == 256 && kBlockN == 128;
+  static constexpr int kProducerRegs = kFp8 ? (kLeanTranspose ? 32 : 56) : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kFp8 ? (kLeanTranspose ? 240 : 224) : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-3 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 96 : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));

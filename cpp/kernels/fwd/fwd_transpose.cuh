@@ -102,33 +102,45 @@ CUTE_DEVICE uint32_t per_block(uint32_t x) {
   return x;
 }
 
+// The offsets a thread's transposer holds across blocks: every unit's (Fp8TransposeMap::offsets),
+// or none (T::kLeanTranspose, the FA3_FP8_LEAN_TRANSPOSER experiment: fwd_traits.cuh).
+template <class T>
+using Fp8TransposeOffsets = uint32_t[T::kLeanTranspose ? 1 : Fp8TransposeMap<T>::kUnitsPerThread];
+
 // One V block at shared addresses v (stage base) to vt. Two units at a time: their 8 loads are in
 // flight together before the permutes.
 template <class T>
-CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt,
-                                     uint32_t const (&offs)[Fp8TransposeMap<T>::kUnitsPerThread], int tid) {
+CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, Fp8TransposeOffsets<T> const& offs, int tid) {
   using Map = Fp8TransposeMap<T>;
   constexpr int kThreads = T::kNumTransposeThreads;
   // Every thread has unit i but, where the threads do not divide the units, the last one.
   auto has_unit = [&](int i) { return (i + 1) * kThreads <= Map::kUnits || tid + i * kThreads < Map::kUnits; };
+  // Unit i's offsets: from the table, or computed here from the thread index (read anew at every
+  // block, so that they are not hoisted out of the block loop either).
+  auto unit_offsets = [&](int i) -> uint32_t {
+    if constexpr (T::kLeanTranspose) return Map::offsets(min(int(per_block(uint32_t(tid))) + i * kThreads, Map::kUnits - 1));
+    else return per_block(offs[i]);
+  };
   CUTLASS_PRAGMA_UNROLL
   for (int i0 = 0; i0 < Map::kUnitsPerThread; i0 += 2) {
-    uint32_t w[2][4];
+    uint32_t w[2][4], st[2];
     CUTLASS_PRAGMA_UNROLL
     for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
       if (!has_unit(i)) continue;
-      uint32_t const ld = per_block(offs[i]) & 0xffffu;
+      uint32_t const both = unit_offsets(i);
+      uint32_t const ld = both & 0xffffu;
+      if constexpr (T::kLeanTranspose) st[i - i0] = both >> 16;
       CUTLASS_PRAGMA_UNROLL
       for (int k = 0; k < 4; ++k) w[i - i0][k] = lds_u32(v + (ld ^ Map::load_xor(k)));
     }
     CUTLASS_PRAGMA_UNROLL
     for (int i = i0; i < i0 + 2 && i < Map::kUnitsPerThread; ++i) {
       if (!has_unit(i)) continue;
-      uint32_t const st = per_block(offs[i]) >> 16;
+      uint32_t const st_i = T::kLeanTranspose ? st[i - i0] : per_block(offs[i]) >> 16;
       uint32_t out[4];
       transpose_4x4_bytes(w[i - i0], out);
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 4; ++j) sts_u32(vt + (st ^ Map::store_xor(j)), out[j]);
+      for (int j = 0; j < 4; ++j) sts_u32(vt + (st_i ^ Map::store_xor(j)), out[j]);
     }
   }
 }
@@ -139,10 +151,12 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
                                  typename T::Pipeline& pipe_v, typename T::PipelineVt& pipe_vt) {
   using Map = Fp8TransposeMap<T>;
   int const tid = threadIdx.x - 32;
-  uint32_t offs[Map::kUnitsPerThread];
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < Map::kUnitsPerThread; ++i)
-    offs[i] = Map::offsets(min(tid + i * T::kNumTransposeThreads, Map::kUnits - 1));
+  Fp8TransposeOffsets<T> offs;
+  if constexpr (!T::kLeanTranspose) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < Map::kUnitsPerThread; ++i)
+      offs[i] = Map::offsets(min(tid + i * T::kNumTransposeThreads, Map::kUnits - 1));
+  }
   uint32_t const v0 = cute::cast_smem_ptr_to_uint(ss.v.data());
   uint32_t const vt0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
