@@ -148,7 +148,7 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-// Experiment (issue 29, A/B pending; docs/experiments.md): a stage's Q + LSE and dO + D complete
+// Experiment (issue 29, A/B pending; docs/kernels.md): a stage's Q + LSE and dO + D complete
 // on two barriers, so that S^T is issued before dO lands, as FA3 does.
 #ifndef FA3_BWD_SPLIT_QDO
 #define FA3_BWD_SPLIT_QDO 0

@@ -118,7 +118,7 @@ struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
 };
-// Experiment (issue 28, A/B pending; docs/experiments.md): ping-pong on the FP8 hd256 tile.
+// Experiment (issue 28, A/B pending; docs/kernels.md): ping-pong on the FP8 hd256 tile.
 #ifndef FA3_FP8_HD256_PINGPONG
 #define FA3_FP8_HD256_PINGPONG 0
 #endif
