@@ -266,7 +266,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         // kSplitQdO: dO and D are waited for right before the first dP^T (S^T is issued first).
         auto wait_do = [&](int sub) {
           if constexpr (Tr::kSplitQdO) {
-            if (sub == 0) TxBar::wait(&ss.full_do[stage], phase);
+            if (sub == 0) TxBar::wait(do_full_barrier<Tr>(ss, stage), phase);
           }
         };
 
@@ -406,11 +406,6 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // the register reallocation (ptxas would spill it).
   if (threadIdx.x == 0) {
     init_ring_barriers<Tr>(aligned_storage<typename Tr::SharedStorage, false>(smem_raw));
-    if constexpr (Tr::kSplitQdO) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < Tr::kStages; ++s)
-        cutlass::arch::ClusterTransactionBarrier::init(&aligned_storage<typename Tr::SharedStorage, false>(smem_raw).full_do[s], 1);
-    }
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
       cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());

@@ -89,20 +89,17 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
       #pragma unroll 1
       for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
         ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-        if constexpr (Tr::kSplitQdO) {  // Q + LSE on full, dO + D on full_do
+        uint64_t* const do_full = do_full_barrier<Tr>(ss, stage);  // full[stage] unless kSplitQdO
+        if constexpr (Tr::kSplitQdO) {
           TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesQ + Loads::kBytesRow);
-          TxBar::arrive_and_expect_tx(&ss.full_do[stage], Loads::kBytesQ + Loads::kBytesRow);
-          copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-          SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
-          copy(p.tma_do.with(ss.full_do[stage], 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
-          SM90_BULK_COPY_G2S::copy(dpsum, &ss.full_do[stage], ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
+          TxBar::arrive_and_expect_tx(do_full, Loads::kBytesQ + Loads::kBytesRow);
         } else {
           TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesStage);
-          copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
-          copy(p.tma_do.with(ss.full[stage], 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
-          SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
-          SM90_BULK_COPY_G2S::copy(dpsum, &ss.full[stage], ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
         }
+        copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
+        copy(p.tma_do.with(*do_full, 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
+        SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
+        SM90_BULK_COPY_G2S::copy(dpsum, do_full, ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
         if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
       }
     }

@@ -82,6 +82,11 @@ struct Fp8TransposeMap {
     Fp8TransposeUnit const x = fp8_transpose_unit<T::kHeadDim, T::kBlockN>(u);
     return uint32_t(LayoutV{}(x.key0, x.d0)) | uint32_t(LayoutVt{}(x.d0, x.slot, 0)) << 16;
   }
+  // Unit i of transposer thread tid: units tid, tid + kThreads, ...; where the threads do not
+  // divide the units, the last one stands in (fwd_transpose_block skips it).
+  CUTE_HOST_DEVICE static uint32_t thread_unit_offsets(int tid, int i) {
+    return offsets(min(tid + i * T::kNumTransposeThreads, kUnits - 1));
+  }
   // Load i reads key key0 + (i & 1) + 8 (i >> 1); store j writes column d0 + j.
   CUTE_HOST_DEVICE static uint32_t load_xor(int i) { return uint32_t(LayoutV{}((i & 1) + 8 * (i >> 1), 0)); }
   CUTE_HOST_DEVICE static uint32_t store_xor(int j) { return uint32_t(LayoutVt{}(j, 0, 0)); }
@@ -118,7 +123,7 @@ CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, Fp8TransposeOffset
   // Unit i's offsets: from the table, or computed here from the thread index (read anew at every
   // block, so that they are not hoisted out of the block loop either).
   auto unit_offsets = [&](int i) -> uint32_t {
-    if constexpr (T::kLeanTranspose) return Map::offsets(min(int(per_block(uint32_t(tid))) + i * kThreads, Map::kUnits - 1));
+    if constexpr (T::kLeanTranspose) return Map::thread_unit_offsets(int(per_block(uint32_t(tid))), i);
     else return per_block(offs[i]);
   };
   CUTLASS_PRAGMA_UNROLL
@@ -154,8 +159,7 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
   Fp8TransposeOffsets<T> offs;
   if constexpr (!T::kLeanTranspose) {
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < Map::kUnitsPerThread; ++i)
-      offs[i] = Map::offsets(min(tid + i * T::kNumTransposeThreads, Map::kUnits - 1));
+    for (int i = 0; i < Map::kUnitsPerThread; ++i) offs[i] = Map::thread_unit_offsets(tid, i);
   }
   uint32_t const v0 = cute::cast_smem_ptr_to_uint(ss.v.data());
   uint32_t const vt0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
