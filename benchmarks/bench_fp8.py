@@ -10,7 +10,11 @@ Implementations, each timed in the same rounds per point:
   jax_fa3_bf16  our bf16 forward on the same (dequantized) data;
   fa3_fp8       FA3's own FP8 kernel from the flash-attn3-jax wheel, called through its FFI target
                 (the wheel's Python API takes bf16/fp16 only; its library holds hd128 e4m3);
-  cudnn_fp8     not run: jax.nn.dot_product_attention has no FP8 path (reported as n/a).
+  cudnn_fp8     cuDNN's FP8 flash attention (inference mode) through JAX's own binding of it,
+                jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(use_fp8=True): the
+                public jax.nn.dot_product_attention takes no FP8 inputs. cuDNN takes one descale
+                per tensor, so its q/k/v are the bf16 data quantized per tensor, and its output is
+                e4m3 (scaled by 1 / v's descale), decoded to float only for the error check.
 The FP8 matmul ceiling: an 8192^3 float8_e4m3fn GEMM (bf16 out) through XLA, timed the same way.
 Outputs: DIR/<date>-<gpu>-fp8[-tag].{json,md}. TFLOP/s count 4 * batch * heads * pairs * head_dim
 (pairs: unmasked query-key pairs), like bench_attention.py.
@@ -72,24 +76,56 @@ def fa3_fp8_fn(causal: bool, descales):
     return fn
 
 
+# cuDNN rounds P * CUDNN_P_SCALE to e4m3 (scale_s; P <= 1): 256 as our kernel's max offset of 8.
+CUDNN_P_SCALE = 256.0
+
+
+def cudnn_fp8_fn(causal: bool, head_dim: int, descales):
+    """cuDNN's FP8 forward through JAX's binding (no training residuals: inference mode).
+    descales: the per-tensor (q, k, v) descales, shape (). Returns e4m3 out * (1 / v's descale)."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+
+    cudnn_sdpa.check_cudnn_version()  # raises "cuDNN is not detected." off the GPU
+    one = lambda x: jnp.reshape(jnp.asarray(x, jnp.float32), (1, 1, 1, 1))  # noqa: E731
+    qd, kd, vd = descales
+    params = {name: one(1.0) for name in cudnn_sdpa.fp8_params_keys}
+    params.update(descale_q=one(qd), descale_k=one(kd), descale_v=one(vd),
+                  scale_s=one(CUDNN_P_SCALE), descale_s=one(1.0 / CUDNN_P_SCALE),
+                  scale_o=one(1.0 / vd), descale_o=one(vd))
+    mask = cudnn_sdpa.MaskType.CAUSAL if causal else cudnn_sdpa.MaskType.NO_MASK
+
+    def fn(q, k, v):
+        out, _, _ = cudnn_sdpa.dot_product_attention(
+            q, k, v, fp8_params=params, scale=1.0 / math.sqrt(head_dim), mask_type=mask,
+            qkv_layout="BTNH", use_fp8=True)
+        return out
+    return fn
+
+
 def point_fns(impl: str, causal: bool, fp8_inputs, bf16_inputs):
-    """(fn, (q, k, v)) for one implementation, or raises with the reason it cannot run."""
+    """(fn, (q, k, v), decode) for one implementation, or raises with the reason it cannot run;
+    decode(out) is the output as float for the error check (outside the timed call)."""
     (q8, qd), (k8, kd), (v8, vd) = fp8_inputs
+    same = lambda out: out  # noqa: E731
     if impl == "jax_fa3_fp8":
         fn = lambda q, k, v: jax_fa3.flash_attention(  # noqa: E731
             q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
             implementation=IMPLEMENTATION)
-        return fn, (q8, k8, v8)
+        return fn, (q8, k8, v8), same
     if impl == "jax_fa3_bf16":
         fn = lambda q, k, v: jax_fa3.flash_attention(  # noqa: E731
             q, k, v, causal=causal, implementation=IMPLEMENTATION)
-        return fn, bf16_inputs
+        return fn, bf16_inputs, same
     if impl == "fa3_fp8":
         if q8.shape[-1] != 128:
             raise RuntimeError("the flash-attn3-jax wheel holds FP8 kernels for head dim 128 only")
-        return fa3_fp8_fn(causal, (qd, kd, vd)), (q8, k8, v8)
+        return fa3_fp8_fn(causal, (qd, kd, vd)), (q8, k8, v8), same
     if impl == "cudnn_fp8":
-        raise RuntimeError("jax.nn.dot_product_attention(implementation='cudnn') takes no FP8 inputs")
+        per_tensor = [quantize_fp8(x, granularity="tensor") for x in bf16_inputs]
+        descales = tuple(float(d) for _, d in per_tensor)
+        fn = cudnn_fp8_fn(causal, q8.shape[-1], descales)
+        decode = lambda out: out.astype(jnp.float32) * descales[2]  # noqa: E731
+        return fn, tuple(x for x, _ in per_tensor), decode
     raise ValueError(impl)
 
 
@@ -132,9 +168,9 @@ def run_grid(args) -> list[dict]:
                            "batch": b, "heads": h}
                     records.append(rec)
                     try:
-                        fn, inputs = point_fns(impl, bool(causal), fp8_inputs, bf16_inputs)
+                        fn, inputs, decode = point_fns(impl, bool(causal), fp8_inputs, bf16_inputs)
                         run, once = make_loop(fn, "fwd", *inputs)
-                        out = jax.block_until_ready(once())
+                        out = decode(jax.block_until_ready(once()))
                         if impl == "jax_fa3_bf16":
                             reference = out
                         rec["_out"] = out
@@ -158,8 +194,8 @@ def markdown(records, gemm, header) -> str:
     ceiling = f"{gemm['tflops']} TFLOP/s" if "tflops" in gemm else f"n/a ({gemm.get('skipped')})"
     lines = [f"# {header}", "",
              f"FP8 matmul ceiling (8192^3 e4m3 GEMM through XLA, bf16 out): {ceiling}", "",
-             "| hd | causal | seqlen | " + " | ".join(shown) + " | fp8 / bf16 | fp8 / fa3_fp8 |",
-             "|---|---|---|" + "---|" * (len(shown) + 2)]
+             "| hd | causal | seqlen | " + " | ".join(shown) + " | fp8 / bf16 | fp8 / fa3_fp8 | fp8 / cudnn_fp8 |",
+             "|---|---|---|" + "---|" * (len(shown) + 3)]
     points = sorted({(r["head_dim"], r["causal"], r["seqlen"]) for r in records})
     for hd, causal, seqlen in points:
         row = {r["impl"]: r for r in records if (r["head_dim"], r["causal"], r["seqlen"]) == (hd, causal, seqlen)}
@@ -167,14 +203,18 @@ def markdown(records, gemm, header) -> str:
         ratio = lambda a, b: (f"{row[b]['ms'] / row[a]['ms']:.2f}x"  # noqa: E731  (speed: time ratio)
                               if a in row and b in row and "ms" in row[a] and "ms" in row[b] else "-")
         lines.append(f"| {hd} | {'yes' if causal else 'no'} | {seqlen} | " + " | ".join(cells)
-                     + f" | {ratio('jax_fa3_fp8', 'jax_fa3_bf16')} | {ratio('jax_fa3_fp8', 'fa3_fp8')} |")
+                     + f" | {ratio('jax_fa3_fp8', 'jax_fa3_bf16')} | {ratio('jax_fa3_fp8', 'fa3_fp8')}"
+                     + f" | {ratio('jax_fa3_fp8', 'cudnn_fp8')} |")
     reasons = sorted({(r["impl"], r["skipped"]) for r in records if "skipped" in r})
     if reasons:
         lines += ["", "Not run (n/a):", ""] + [f"- {i}: {why}" for i, why in reasons]
-    errs = [r["rel_err_vs_bf16"] for r in records if "rel_err_vs_bf16" in r and r["impl"] == "jax_fa3_fp8"]
-    if errs:
-        lines += ["", f"jax_fa3_fp8 relative error against our bf16 forward on the same dequantized "
-                      f"inputs: max {max(errs):.4f} (P rounded to e4m3 costs about 2^-4 per weight)."]
+    for impl in ("jax_fa3_fp8", "fa3_fp8", "cudnn_fp8"):
+        errs = [r["rel_err_vs_bf16"] for r in records if "rel_err_vs_bf16" in r and r["impl"] == impl]
+        if errs:
+            lines += ["", f"{impl} relative error against our bf16 forward on the same dequantized "
+                          f"inputs: max {max(errs):.4f} (P rounded to e4m3 costs about 2^-4 per weight"
+                          + ("; cuDNN's inputs are quantized per tensor and its output is e4m3)."
+                             if impl == "cudnn_fp8" else ").")]
     return "\n".join(lines) + "\n"
 
 
