@@ -36,3 +36,29 @@ def test_bench_fp8_runs_and_reports(tmp_path, monkeypatch):
     assert "| 64 | yes | 128 |" in md and "| 64 | no | 128 |" in md
     assert "Not run (n/a):" in md and "fp8 / bf16" in md
     assert md.count("x | - | - |") == 2  # fp8 / bf16 given per point; no fa3, no cuDNN ratios
+
+
+def test_cudnn_fp8_call_lowers_for_cuda(monkeypatch):
+    """The cudnn_fp8 peer's call, lowered for CUDA here (cuDNN's presence and the GPU's compute
+    capability stubbed): JAX's private FP8 binding still takes what bench_fp8 passes, and the
+    mask follows `causal`."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_sdpa
+
+    monkeypatch.setattr(cudnn_sdpa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn_sdpa, "is_cuda_compute_capability_equal", lambda *_: False)
+    shape = (1, 256, 2, 128)
+    xs = [jax.random.normal(jax.random.key(i), shape, jnp.float32) for i in range(3)]
+    fp8 = [bench_fp8.quantize_fp8(x, granularity="head") for x in xs]
+    bf16 = tuple(bench_fp8.dequantize_fp8(x8, d).astype(jnp.bfloat16) for x8, d in fp8)
+    configs = set()
+    for causal in (False, True):
+        fn, inputs, _ = bench_fp8.point_fns("cudnn_fp8", causal, fp8, bf16)
+        assert all(x.dtype == jnp.float8_e4m3fn for x in inputs)
+        text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+        [call] = [line for line in text.splitlines() if "stablehlo.custom_call @__cudnn$fmha" in line]
+        assert "F8" in call
+        configs.add(call.split("backend_config", 1)[1])
+        assert jax.eval_shape(fn, *inputs).shape == shape
+    assert len(configs) == 2  # causal and not lower to different cuDNN configurations
