@@ -7,7 +7,9 @@
 //     and, through transpose_4x4_bytes, put V(key, d) at Vt(d, 16 (key / 16) +
 //     fp8_key_slot(key % 16)), the same permutation, so that P V sums matching pairs; each warp's
 //     4-byte loads from V and stores to Vt (the tiles' swizzled layouts, 32 banks of 4 bytes) have
-//     at most 2-way bank conflicts.
+//     at most 2-way bank conflicts;
+//   * the same transpose by ldmatrix.trans / stmatrix (FA3_FP8_LDSM_TRANSPOSER), replayed as the
+//     PTX ISA defines those instructions, with at most 2-way bank conflicts per matrix.
 #include <algorithm>
 #include <cstring>
 #include <cstdio>
@@ -112,12 +114,84 @@ int worst_bank_conflict() {
   return worst;
 }
 
+// FA3_FP8_LDSM_TRANSPOSER's transpose (fwd_transpose_block_ldsm), replayed with ldmatrix.x4.trans
+// and stmatrix.x4 as the PTX ISA defines them (lane 8 m + r gives matrix m's row r; ldmatrix.trans
+// gives lane t of matrix m the 16-bit words (row 2 (t % 4) + h, column t / 4), h = 0, 1; stmatrix
+// takes from lane 4 r + i the word at bytes 4 i of matrix m's row r), for any tile of the table (its
+// traits with two transposer warps, whatever the switch): each lane's addresses as the kernel forms
+// them (Fp8LdsmTransposeMap::at) equal the layouts' offsets, every Vt byte is written once with
+// V(key, d) at the same place as check_transpose's, and the worst bank conflict of one matrix (8
+// rows of 16 bytes; 4-byte banks) is returned in `conflict`.
+template <class Tr>
+struct WithTwoTransposerWarps : Tr {
+  static constexpr int kNumTransposeThreads = 64;
+};
+
+template <class Tr>
+int check_ldsm_transpose(int& conflict) {
+  using Map = fa3::Fp8LdsmTransposeMap<WithTwoTransposerWarps<Tr>>;
+  constexpr int N = Tr::kBlockN, D = Tr::kHeadDim, kBytes = Map::kStageBytes;
+  auto const sV = typename Tr::SmemLayoutK1{};
+  auto const sVt = typename Tr::SmemLayoutVt{};
+  int bad = 0;
+  conflict = 0;
+  std::vector<uint8_t> v(N * D), smem_v(kBytes), smem_vt(kBytes, 0);
+  std::vector<int> written(kBytes, 0);
+  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
+  for (int key = 0; key < N; ++key)
+    for (int d = 0; d < D; ++d) smem_v[int(sV(key, d))] = v[key * D + d];
+  auto worst_of = [](uint32_t const* rows) {  // one matrix: 8 rows of 16 bytes
+    std::map<int, std::set<int>> banks;
+    for (int r = 0; r < 8; ++r)
+      for (int k = 0; k < 4; ++k) banks[(rows[r] / 4 + k) % 32].insert(rows[r] / 4 + k);
+    int worst = 0;
+    for (auto const& b : banks) worst = std::max(worst, int(b.second.size()));
+    return worst;
+  };
+  for (int w = 0; w < Map::kWarps; ++w) {
+    for (int j = 0; j < Map::kTilesPerWarp; ++j) {
+      uint32_t ld[32], st[32], r[32][4], words[32][4];
+      for (int lane = 0; lane < 32; ++lane) {
+        ld[lane] = Map::template at<false>(Map::ld_offset(lane, w, 0), j);
+        st[lane] = Map::template at<true>(Map::st_offset(lane, w, 0), j);
+        bad += ld[lane] != Map::ld_offset(lane, w, j) || st[lane] != Map::st_offset(lane, w, j);
+        bad += ld[lane] % 16 != 0 || st[lane] % 16 != 0 || ld[lane] + 16 > kBytes || st[lane] + 16 > kBytes;
+      }
+      if (bad) return bad;
+      for (int m = 0; m < 4; ++m) conflict = std::max({conflict, worst_of(ld + 8 * m), worst_of(st + 8 * m)});
+      for (int t = 0; t < 32; ++t)
+        for (int m = 0; m < 4; ++m) {
+          uint16_t lo, hi;
+          std::memcpy(&lo, &smem_v[ld[8 * m + 2 * (t % 4)] + 2 * (t / 4)], 2);
+          std::memcpy(&hi, &smem_v[ld[8 * m + 2 * (t % 4) + 1] + 2 * (t / 4)], 2);
+          r[t][m] = uint32_t(lo) | uint32_t(hi) << 16;
+        }
+      for (int t = 0; t < 32; ++t) fa3::ldsm_tile_to_vt_words(r[t], words[t]);
+      for (int m = 0; m < 4; ++m)
+        for (int row = 0; row < 8; ++row)
+          for (int i = 0; i < 4; ++i) {
+            uint32_t const at = st[8 * m + row] + 4 * i;
+            std::memcpy(&smem_vt[at], &words[4 * row + i][m], 4);
+            for (int b = 0; b < 4; ++b) written[at + b]++;
+          }
+    }
+  }
+  for (int c : written) bad += c != 1;
+  for (int key = 0; key < N; ++key)
+    for (int d = 0; d < D; ++d)
+      bad += smem_vt[int(sVt(d, 16 * (key / 16) + fa3::fp8_key_slot(key % 16), 0))] != v[key * D + d];
+  return bad;
+}
+
 template <class Tr>
 int check(const char* name) {
   int const a = check_operand<Tr>(), b = check_transpose<Tr>(), conflict = worst_bank_conflict<Tr>();
-  std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches, bank conflicts %d-way\n", name,
-              Tr::kHeadDim, Tr::kBlockN, a, b, conflict);
-  return a + b + (conflict > 2);
+  int ldsm_conflict = 0;
+  int const c = check_ldsm_transpose<Tr>(ldsm_conflict);
+  std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches, bank conflicts %d-way; "
+              "ldmatrix transpose %d mismatches, bank conflicts %d-way\n",
+              name, Tr::kHeadDim, Tr::kBlockN, a, b, conflict, c, ldsm_conflict);
+  return a + b + c + (conflict > 2) + (ldsm_conflict > 2);
 }
 
 int main() {
@@ -129,6 +203,7 @@ int main() {
   bad += check<fa3::FwdTileTable<Fp8, 64>::full>("hd64 full");
   bad += check<fa3::FwdTileTable<Fp8, 64>::banded>("hd64 banded");
   bad += check<fa3::FwdTileTable<Fp8, 128>::full>("hd128 full");
+  bad += check<fa3::FwdTileTable<Fp8, 128>::banded>("hd128 banded");
   bad += check<fa3::FwdTileTable<Fp8, 256>::full>("hd256 full");
   std::printf(bad ? "FAILED\n" : "OK\n");
   return bad ? 1 : 0;

@@ -3,8 +3,8 @@
 // One CTA = 1 producer warpgroup + kNumMmaWG (2 or 3) consumer warpgroups, one CTA per SM,
 // persistent over output tiles of kBlockM query rows of one (batch, head) (common/scheduler.cuh):
 //   * producer (fwd_producer.cuh; one thread, registers lowered with setmaxnreg): TMA loads of
-//     Q and of the K / V blocks; for FP8 the other three warps of its warpgroup transpose V
-//     (fwd_transpose.cuh);
+//     Q and of the K / V blocks; for FP8 the other three warps of its warpgroup (two with
+//     FA3_FP8_LDSM_TRANSPOSER) transpose V (fwd_transpose.cuh);
 //   * consumers (fwd_consumer.cuh; registers raised): 64 query rows each, Q K^T, mask, online
 //     softmax, P V, then the epilogue (fwd_epilogue.cuh);
 //   * their synchronisation (K / V rings, Q hand-off, ping-pong barriers): fwd_pipeline.cuh;
@@ -43,7 +43,8 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
     if constexpr (T::kFp8) {
-      if (threadIdx.x >= 32) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
+      bool const transposer = threadIdx.x >= 32 && (T::kNumTransposeThreads == 96 || threadIdx.x < 32 + T::kNumTransposeThreads);
+      if (transposer) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();

@@ -18,6 +18,14 @@
 #ifndef FA3_FP8_LEAN_TRANSPOSER
 #define FA3_FP8_LEAN_TRANSPOSER 0
 #endif
+// Experiment (issue 28, A/B pending; docs/kernels.md): the FP8 V transpose by ldmatrix.trans /
+// stmatrix on two warps (fwd_transpose.cuh, Fp8LdsmTransposeMap): ~6 instructions per 512 bytes
+// where the 4-byte units take ~34, which at hd128 is a third of the issue slots of the SM
+// sub-partitions the transposers share with the consumers (545 per block and warp, next to the
+// consumers' 2 x 566).
+#ifndef FA3_FP8_LDSM_TRANSPOSER
+#define FA3_FP8_LDSM_TRANSPOSER 0
+#endif
 
 namespace fa3 {
 
@@ -75,11 +83,14 @@ struct FwdTraits {
   // + 256 * 224 = 64512; the consumers hold O d/2 + S kBlockN/2 + P kBlockN/8).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
   // FA3_FP8_LEAN_TRANSPOSER: on the hd256 128-key tile only (the others spilled 8-1060 B so).
-  static constexpr bool kLeanTranspose = kFp8 && FA3_FP8_LEAN_TRANSPOSER && kHeadDim == 256 && kBlockN == 128;
+  static constexpr bool kLdsmTranspose = kFp8 && FA3_FP8_LDSM_TRANSPOSER;
+  static constexpr bool kLeanTranspose =
+      kFp8 && !kLdsmTranspose && FA3_FP8_LEAN_TRANSPOSER && kHeadDim == 256 && kBlockN == 128;
   static constexpr int kProducerRegs = kFp8 ? (kLeanTranspose ? 32 : 56) : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kFp8 ? (kLeanTranspose ? 240 : 224) : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
-  // Warps 1-3 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
-  static constexpr int kNumTransposeThreads = kFp8 ? 96 : 0;
+  // Warps 1-3 (kLdsmTranspose: 1-2) of the producer warpgroup transpose V (FP8); warp 0's first
+  // thread issues the TMAs.
+  static constexpr int kNumTransposeThreads = kFp8 ? (kLdsmTranspose ? 64 : 96) : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
   static_assert(!kFp8 || (kNumMmaWG == 2 && kBlockN % 32 == 0), "FP8: 2 consumer warpgroups, K = 32 per P V WGMMA");
   // Two Q buffers used by alternate tiles (fwd_pipeline.cuh, FwdQProducer), where a second Q

@@ -150,14 +150,104 @@ CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, Fp8TransposeOffset
   }
 }
 
-// Run by the 96 threads of warps 1-3 of warpgroup 0.
+// ---- FA3_FP8_LDSM_TRANSPOSER (the experiment in fwd_traits.cuh): the same transpose by
+// ldmatrix.trans / stmatrix, on warps 1-2. A tile is one 16-key chunk (keys 16 c ..) x 32 columns
+// (d0 ..): ldmatrix.x4.trans reads four 8 x 8 matrices of 16-bit words of V, keys 0-7 | 8-15 of
+// the chunk x columns d0 .. d0 + 15 | d0 + 16 .. d0 + 31 (matrix m = lane / 8 gets its row lane % 8
+// from that lane's address), and gives lane t (q = t % 4, e = 2 (t / 4)) keys 2q, 2q + 1 (from the
+// second and fourth matrices 8 + 2q, 9 + 2q) at columns d0 + e, d0 + e + 1. Two byte permutes per
+// matrix pair turn those into, per column, the keys of slots 4q .. 4q + 3 (fp8_key_slot), and
+// stmatrix.x4 writes them as matrix rows d0 + e (+ 1) (+ 16) of Vt, 16 bytes = the chunk's slots,
+// lane t's word at byte 4q. 512 bytes in one LDSM, four PRMT and one STSM. Warp w takes the column
+// groups of 32 whose index has its low bit = w, every chunk.
+// The layouts are linear over XOR in the coordinates' bits (as for Fp8TransposeMap), so a lane's
+// address for tile j is its tile-0 offset XOR tile j's lane-0 offset: the bits its own offsets
+// can have (mask()) by a XOR, the rest by an add that folds into the instruction's immediate.
+template <class T>
+struct Fp8LdsmTransposeMap {
+  using LayoutV = typename T::SmemLayoutK1;   // (n, d), one stage
+  using LayoutVt = typename T::SmemLayoutVt;  // (d, n, stages)
+  static constexpr int kWarps = 2;
+  static constexpr int kGroupsPerWarp = T::kHeadDim / 32 / kWarps;  // column groups of 32 per warp
+  static constexpr int kTilesPerWarp = T::kBlockN / 16 * kGroupsPerWarp;
+  static constexpr int kStageBytes = T::kBlockN * T::kHeadDim;
+  static_assert(T::kNumTransposeThreads == 32 * kWarps && T::kHeadDim % 64 == 0 && T::kBlockN % 16 == 0);
+
+  // Tile j of warp w: chunk j / kGroupsPerWarp, first column col0(j, w).
+  CUTE_HOST_DEVICE static constexpr int chunk(int j) { return j / kGroupsPerWarp; }
+  CUTE_HOST_DEVICE static constexpr int col0(int j, int w) { return 32 * (kWarps * (j % kGroupsPerWarp) + w); }
+  // Byte offsets in a stage of lane's ldmatrix row (V) and stmatrix row (Vt) in tile j of warp w.
+  CUTE_HOST_DEVICE static constexpr uint32_t ld_offset(int lane, int w, int j) {
+    int const m = lane / 8, r = lane % 8;
+    return uint32_t(LayoutV{}(16 * chunk(j) + 8 * (m % 2) + r, col0(j, w) + 16 * (m / 2)));
+  }
+  CUTE_HOST_DEVICE static constexpr uint32_t st_offset(int lane, int w, int j) {
+    int const m = lane / 8, r = lane % 8;
+    return uint32_t(LayoutVt{}(col0(j, w) + 16 * (m / 2) + 2 * r + m % 2, 16 * chunk(j), 0));
+  }
+  // The bits a lane's tile-0 offsets can have.
+  CUTE_HOST_DEVICE static constexpr uint32_t mask(bool store) {
+    uint32_t bits = 0;
+    for (int w = 0; w < kWarps; ++w)
+      for (int lane = 0; lane < 32; ++lane) bits |= store ? st_offset(lane, w, 0) : ld_offset(lane, w, 0);
+    return bits;
+  }
+  // Tile j's offset for a lane whose tile-0 offset is x (y: tile j's lane-0 offset, warp 0).
+  template <bool kStore>
+  CUTE_HOST_DEVICE static uint32_t at(uint32_t x, int j) {
+    constexpr uint32_t kMask = mask(kStore);
+    uint32_t const y = kStore ? st_offset(0, 0, j) : ld_offset(0, 0, j);
+    return (y & ~kMask) + (x ^ (y & kMask));
+  }
+};
+
+CUTE_DEVICE void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+CUTE_DEVICE void stsm_x4(uint32_t addr, uint32_t const (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// Lane t's words of an ldmatrix.x4.trans tile, (keys 2q, 2q + 1 | 8 + 2q, 9 + 2q) x (columns e,
+// e + 1 | e + 16, e + 17), as the stmatrix.x4 words: columns e, e + 1, e + 16, e + 17, each the
+// keys of slots 4q .. 4q + 3.
+CUTE_HOST_DEVICE void ldsm_tile_to_vt_words(uint32_t const (&r)[4], uint32_t (&w)[4]) {
+  w[0] = byte_perm(r[0], r[1], 0x6420);
+  w[1] = byte_perm(r[0], r[1], 0x7531);
+  w[2] = byte_perm(r[2], r[3], 0x6420);
+  w[3] = byte_perm(r[2], r[3], 0x7531);
+}
+
+// One V block at shared addresses v (stage base) to vt, by a warp whose lane has tile-0 offsets
+// x_ld, x_st.
+template <class T>
+CUTE_DEVICE void fwd_transpose_block_ldsm(uint32_t v, uint32_t vt, uint32_t x_ld, uint32_t x_st) {
+  using Map = Fp8LdsmTransposeMap<T>;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < Map::kTilesPerWarp; ++j) {
+    uint32_t r[4], w[4];
+    ldsm_x4_trans(v + Map::template at<false>(x_ld, j), r);
+    ldsm_tile_to_vt_words(r, w);
+    stsm_x4(vt + Map::template at<true>(x_st, j), w);
+  }
+}
+
+// Run by the transposer threads: warps 1-3 of warpgroup 0 (warps 1-2 with kLdsmTranspose).
 template <class T>
 CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::SharedStorage& ss,
                                  typename T::Pipeline& pipe_v, typename T::PipelineVt& pipe_vt) {
   using Map = Fp8TransposeMap<T>;
   int const tid = threadIdx.x - 32;
   Fp8TransposeOffsets<T> offs;
-  if constexpr (!T::kLeanTranspose) {
+  // kLdsmTranspose: this lane's tile-0 offsets in its warp (Fp8LdsmTransposeMap).
+  uint32_t x_ld = 0, x_st = 0;
+  if constexpr (T::kLdsmTranspose) {
+    using Ldsm = Fp8LdsmTransposeMap<T>;
+    x_ld = Ldsm::ld_offset(tid % 32, tid / 32, 0);
+    x_st = Ldsm::st_offset(tid % 32, tid / 32, 0);
+  } else if constexpr (!T::kLeanTranspose) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < Map::kUnitsPerThread; ++i) offs[i] = Map::thread_unit_offsets(tid, i);
   }
@@ -173,7 +263,8 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
       pipe_v.consumer_wait(read);
       pipe_vt.producer_acquire(write);
       uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
-      fwd_transpose_block<T>(v, vt, offs, tid);
+      if constexpr (T::kLdsmTranspose) fwd_transpose_block_ldsm<T>(v, vt, x_ld, x_st);
+      else fwd_transpose_block<T>(v, vt, offs, tid);
       cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
       pipe_vt.producer_commit(write);
       pipe_v.consumer_release(read);
