@@ -82,12 +82,14 @@ struct FwdTraits {
   // (fwd_transpose.cuh); 56 producer registers for the transposers' addresses and words (128 * 56
   // + 256 * 224 = 64512; the consumers hold O d/2 + S kBlockN/2 + P kBlockN/8).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // FA3_FP8_LEAN_TRANSPOSER: on the hd256 128-key tile only (the others spilled 8-1060 B so).
+  // The hd256 128-key FP8 tile (FA3_FP8_LEAN_TRANSPOSER's, fwd_launch.cuh) needs 240 consumer
+  // registers: its transposers run on 32, the lean ones or (FA3_FP8_LDSM_TRANSPOSER) the ldmatrix
+  // ones (the lean transposer spilled 8-1060 B on the other tiles).
+  static constexpr bool kFp8WideTile = kFp8 && kHeadDim == 256 && kBlockN == 128;
   static constexpr bool kLdsmTranspose = kFp8 && FA3_FP8_LDSM_TRANSPOSER;
-  static constexpr bool kLeanTranspose =
-      kFp8 && !kLdsmTranspose && FA3_FP8_LEAN_TRANSPOSER && kHeadDim == 256 && kBlockN == 128;
-  static constexpr int kProducerRegs = kFp8 ? (kLeanTranspose ? 32 : 56) : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kFp8 ? (kLeanTranspose ? 240 : 224) : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
+  static constexpr bool kLeanTranspose = kFp8WideTile && !kLdsmTranspose;
+  static constexpr int kProducerRegs = kFp8 ? (kFp8WideTile ? 32 : 56) : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kFp8 ? (kFp8WideTile ? 240 : 224) : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-3 (kLdsmTranspose: 1-2) of the producer warpgroup transpose V (FP8); warp 0's first
   // thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? (kLdsmTranspose ? 64 : 96) : 0;

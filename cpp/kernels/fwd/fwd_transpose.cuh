@@ -221,16 +221,30 @@ CUTE_HOST_DEVICE void ldsm_tile_to_vt_words(uint32_t const (&r)[4], uint32_t (&w
 }
 
 // One V block at shared addresses v (stage base) to vt, by a warp whose lane has tile-0 offsets
-// x_ld, x_st.
+// x_ld, x_st. kBatch tiles' loads are in flight together (one at a time, each tile waited for the
+// previous one's permutes: the loads' latency per tile). On 32 registers (the hd256 128-key tile)
+// one at a time, and the tiles' XORed offsets formed per block (per_block): hoisted out of the
+// block loop they spilled 28 B.
 template <class T>
 CUTE_DEVICE void fwd_transpose_block_ldsm(uint32_t v, uint32_t vt, uint32_t x_ld, uint32_t x_st) {
   using Map = Fp8LdsmTransposeMap<T>;
+  constexpr bool kTight = T::kProducerRegs <= 32;
+  constexpr int kBatch = kTight ? 1 : 2;
+  static_assert(Map::kTilesPerWarp % kBatch == 0);
+  if constexpr (kTight) {
+    x_ld = per_block(x_ld);
+    x_st = per_block(x_st);
+  }
   CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < Map::kTilesPerWarp; ++j) {
-    uint32_t r[4], w[4];
-    ldsm_x4_trans(v + Map::template at<false>(x_ld, j), r);
-    ldsm_tile_to_vt_words(r, w);
-    stsm_x4(vt + Map::template at<true>(x_st, j), w);
+  for (int j0 = 0; j0 < Map::kTilesPerWarp; j0 += kBatch) {
+    uint32_t r[kBatch][4], w[4];
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < kBatch; ++b) ldsm_x4_trans(v + Map::template at<false>(x_ld, j0 + b), r[b]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int b = 0; b < kBatch; ++b) {
+      ldsm_tile_to_vt_words(r[b], w);
+      stsm_x4(vt + Map::template at<true>(x_st, j0 + b), w);
+    }
   }
 }
 
