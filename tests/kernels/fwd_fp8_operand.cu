@@ -50,6 +50,36 @@ int check_operand() {
   return bad;
 }
 
+// Shared-memory images of one V stage (distinct bytes, in its swizzled layout) and of one Vt
+// stage that a replayed transpose writes (store counts every byte it writes).
+template <class Tr>
+struct TransposeImages {
+  static constexpr int N = Tr::kBlockN, D = Tr::kHeadDim, kBytes = N * D;
+  std::vector<uint8_t> v = std::vector<uint8_t>(kBytes), smem_v = std::vector<uint8_t>(kBytes),
+                       smem_vt = std::vector<uint8_t>(kBytes, 0);
+  std::vector<int> written = std::vector<int>(kBytes, 0);
+  TransposeImages() {
+    auto const sV = typename Tr::SmemLayoutK1{};
+    for (int i = 0; i < kBytes; ++i) v[i] = uint8_t(i * 37 + i / 256);
+    for (int key = 0; key < N; ++key)
+      for (int d = 0; d < D; ++d) smem_v[int(sV(key, d))] = v[key * D + d];
+  }
+  void store(uint32_t at, uint32_t word) {
+    std::memcpy(&smem_vt[at], &word, 4);
+    for (int i = 0; i < 4; ++i) written[at + i]++;
+  }
+  // Bytes written other than once, and keys not at Vt(d, 16 (key / 16) + fp8_key_slot(key % 16)).
+  int mismatches() const {
+    auto const sVt = typename Tr::SmemLayoutVt{};
+    int bad = 0;
+    for (int w : written) bad += w != 1;
+    for (int key = 0; key < N; ++key)
+      for (int d = 0; d < D; ++d)
+        bad += smem_vt[int(sVt(d, 16 * (key / 16) + fa3::fp8_key_slot(key % 16), 0))] != v[key * D + d];
+    return bad;
+  }
+};
+
 // Replays the kernel's transpose (fwd_transpose_block) byte for byte: shared-memory images of a
 // V stage and a Vt stage in their swizzled layouts, each unit's addresses from
 // Fp8TransposeMap's offsets and XORs exactly as the kernel forms them.
@@ -66,27 +96,15 @@ int check_transpose() {
       for (int d = 0; d < D; ++d)
         bad += int(sV(key, d, s)) != int(sV(key, d, 0)) + s * Map::kStageBytes ||
                int(sVt(d, key, s)) != int(sVt(d, key, 0)) + s * Map::kStageBytes;
-  std::vector<uint8_t> v(N * D), smem_v(Map::kStageBytes), smem_vt(Map::kStageBytes, 0);
-  std::vector<int> written(Map::kStageBytes, 0);
-  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
-  for (int key = 0; key < N; ++key)
-    for (int d = 0; d < D; ++d) smem_v[int(sV(key, d, 0))] = v[key * D + d];
+  TransposeImages<Tr> img;
   for (int u = 0; u < Map::kUnits; ++u) {
     uint32_t const offs = Map::offsets(u), ld = offs & 0xffffu, st = offs >> 16;
     uint32_t w[4], out[4];
-    for (int i = 0; i < 4; ++i) std::memcpy(&w[i], &smem_v[ld ^ Map::load_xor(i)], 4);
+    for (int i = 0; i < 4; ++i) std::memcpy(&w[i], &img.smem_v[ld ^ Map::load_xor(i)], 4);
     fa3::transpose_4x4_bytes(w, out);
-    for (int j = 0; j < 4; ++j) {
-      uint32_t const at = st ^ Map::store_xor(j);
-      std::memcpy(&smem_vt[at], &out[j], 4);
-      for (int i = 0; i < 4; ++i) written[at + i]++;
-    }
+    for (int j = 0; j < 4; ++j) img.store(st ^ Map::store_xor(j), out[j]);
   }
-  for (int w : written) bad += w != 1;
-  for (int key = 0; key < N; ++key)
-    for (int d = 0; d < D; ++d)
-      bad += smem_vt[int(sVt(d, 16 * (key / 16) + fa3::fp8_key_slot(key % 16), 0))] != v[key * D + d];
-  return bad;
+  return bad + img.mismatches();
 }
 
 // The worst bank conflict (distinct 4-byte words in one bank) of a warp's load or store i.
@@ -130,16 +148,10 @@ struct WithTwoTransposerWarps : Tr {
 template <class Tr>
 int check_ldsm_transpose(int& conflict) {
   using Map = fa3::Fp8LdsmTransposeMap<WithTwoTransposerWarps<Tr>>;
-  constexpr int N = Tr::kBlockN, D = Tr::kHeadDim, kBytes = Map::kStageBytes;
-  auto const sV = typename Tr::SmemLayoutK1{};
-  auto const sVt = typename Tr::SmemLayoutVt{};
+  constexpr int kBytes = Map::kStageBytes;
   int bad = 0;
   conflict = 0;
-  std::vector<uint8_t> v(N * D), smem_v(kBytes), smem_vt(kBytes, 0);
-  std::vector<int> written(kBytes, 0);
-  for (int i = 0; i < N * D; ++i) v[i] = uint8_t(i * 37 + i / 256);
-  for (int key = 0; key < N; ++key)
-    for (int d = 0; d < D; ++d) smem_v[int(sV(key, d))] = v[key * D + d];
+  TransposeImages<Tr> img;
   auto worst_of = [](uint32_t const* rows) {  // one matrix: 8 rows of 16 bytes
     std::map<int, std::set<int>> banks;
     for (int r = 0; r < 8; ++r)
@@ -162,25 +174,17 @@ int check_ldsm_transpose(int& conflict) {
       for (int t = 0; t < 32; ++t)
         for (int m = 0; m < 4; ++m) {
           uint16_t lo, hi;
-          std::memcpy(&lo, &smem_v[ld[8 * m + 2 * (t % 4)] + 2 * (t / 4)], 2);
-          std::memcpy(&hi, &smem_v[ld[8 * m + 2 * (t % 4) + 1] + 2 * (t / 4)], 2);
+          std::memcpy(&lo, &img.smem_v[ld[8 * m + 2 * (t % 4)] + 2 * (t / 4)], 2);
+          std::memcpy(&hi, &img.smem_v[ld[8 * m + 2 * (t % 4) + 1] + 2 * (t / 4)], 2);
           r[t][m] = uint32_t(lo) | uint32_t(hi) << 16;
         }
       for (int t = 0; t < 32; ++t) fa3::ldsm_tile_to_vt_words(r[t], words[t]);
       for (int m = 0; m < 4; ++m)
         for (int row = 0; row < 8; ++row)
-          for (int i = 0; i < 4; ++i) {
-            uint32_t const at = st[8 * m + row] + 4 * i;
-            std::memcpy(&smem_vt[at], &words[4 * row + i][m], 4);
-            for (int b = 0; b < 4; ++b) written[at + b]++;
-          }
+          for (int i = 0; i < 4; ++i) img.store(st[8 * m + row] + 4 * i, words[4 * row + i][m]);
     }
   }
-  for (int c : written) bad += c != 1;
-  for (int key = 0; key < N; ++key)
-    for (int d = 0; d < D; ++d)
-      bad += smem_vt[int(sVt(d, 16 * (key / 16) + fa3::fp8_key_slot(key % 16), 0))] != v[key * D + d];
-  return bad;
+  return bad + img.mismatches();
 }
 
 template <class Tr>
