@@ -221,9 +221,9 @@ CUTE_HOST_DEVICE void ldsm_tile_to_vt_words(uint32_t const (&r)[4], uint32_t (&w
 }
 
 // One V block at shared addresses v (stage base) to vt, by a warp whose lane has tile-0 offsets
-// x_ld, x_st. kBatch tiles' loads are in flight together (one at a time, each tile waited for the
-// previous one's permutes: the loads' latency per tile). On 32 registers (the hd256 128-key tile)
-// one at a time, and the tiles' XORed offsets formed per block (per_block): hoisted out of the
+// x_ld, x_st. Two tiles' loads are issued together: one at a time, each load waited for the
+// previous tile's permutes (a load's latency per tile). On 32 registers (the hd256 128-key tile)
+// one at a time, with the tiles' XORed offsets formed per block (per_block): hoisted out of the
 // block loop they spilled 28 B.
 template <class T>
 CUTE_DEVICE void fwd_transpose_block_ldsm(uint32_t v, uint32_t vt, uint32_t x_ld, uint32_t x_st) {
