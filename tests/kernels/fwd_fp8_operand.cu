@@ -189,7 +189,9 @@ int check_ldsm_transpose(int& conflict) {
 
 template <class Tr>
 int check(const char* name) {
-  int const a = check_operand<Tr>(), b = check_transpose<Tr>(), conflict = worst_bank_conflict<Tr>();
+  int const a = check_operand<Tr>();
+  int b = 0, conflict = 0;  // the 4-byte units, where the kernel uses them
+  if constexpr (!Tr::kLdsmTranspose) b = check_transpose<Tr>(), conflict = worst_bank_conflict<Tr>();
   int ldsm_conflict = 0;
   int const c = check_ldsm_transpose<Tr>(ldsm_conflict);
   std::printf("%s (d %d, kBlockN %d): operand %d, transpose %d mismatches, bank conflicts %d-way; "

@@ -113,9 +113,14 @@ struct FwdTileTable<Fp8, 64> {
   using full = FwdTraits<Fp8, 64, 128, 128, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
 };
+// Experiment (issue 28, A/B pending; docs/kernels.md): FA3's hd128 FP8 tile, 128 x 224, 2 stages:
+// 2 x 16 + 2 x 84 = 200 KB; O 64 + S 112 + P 28 of 232 registers. Needs FA3_FP8_LDSM_TRANSPOSER.
+#ifndef FA3_FP8_HD128_224
+#define FA3_FP8_HD128_224 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 128> {
-  using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
+  using full = FwdTraits<Fp8, 128, 128, FA3_FP8_HD128_224 ? 224 : 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
 };
 // Experiment (issue 28, A/B pending; docs/kernels.md): ping-pong on the FP8 hd256 tile.

@@ -82,14 +82,22 @@ struct FwdTraits {
   // (fwd_transpose.cuh); 56 producer registers for the transposers' addresses and words (128 * 56
   // + 256 * 224 = 64512; the consumers hold O d/2 + S kBlockN/2 + P kBlockN/8).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // The hd256 128-key FP8 tile (FA3_FP8_LEAN_TRANSPOSER's, fwd_launch.cuh) needs 240 consumer
-  // registers: its transposers run on 32, the lean ones or (FA3_FP8_LDSM_TRANSPOSER) the ldmatrix
-  // ones (the lean transposer spilled 8-1060 B on the other tiles).
-  static constexpr bool kFp8WideTile = kFp8 && kHeadDim == 256 && kBlockN == 128;
+  // FA3's wider FP8 tiles (experiments, fwd_launch.cuh) need more consumer registers:
+  //   hd256 x 128 keys (FA3_FP8_LEAN_TRANSPOSER): 240, its transposers on 32, the lean ones or
+  //     (FA3_FP8_LDSM_TRANSPOSER) the ldmatrix ones (the lean transposer spilled 8-1060 B on the
+  //     other tiles; at 40 / 232 the consumers spilled 48 B);
+  //   hd128 x 224 keys (FA3_FP8_HD128_224): 232, the ldmatrix transposers on 40 (spill-free; at 32
+  //     / 240 the transposer's tile loop spilled 28 B).
+  static constexpr bool kFp8Hd256Wide = kFp8 && kHeadDim == 256 && kBlockN == 128;
+  static constexpr bool kFp8Hd128Wide = kFp8 && kHeadDim == 128 && kBlockN == 224;
   static constexpr bool kLdsmTranspose = kFp8 && FA3_FP8_LDSM_TRANSPOSER;
-  static constexpr bool kLeanTranspose = kFp8WideTile && !kLdsmTranspose;
-  static constexpr int kProducerRegs = kFp8 ? (kFp8WideTile ? 32 : 56) : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kFp8 ? (kFp8WideTile ? 240 : 224) : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
+  static constexpr bool kLeanTranspose = kFp8Hd256Wide && !kLdsmTranspose;
+  static_assert(!kFp8Hd128Wide || kLdsmTranspose, "the 224-key tile takes the ldmatrix transposer (the 4-byte units "
+                                                   "have 4-way conflicts on its 224-byte rows)");
+  static constexpr int kProducerRegs = kFp8 ? (kFp8Hd256Wide ? 32 : kFp8Hd128Wide ? 40 : 56)
+                                            : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kFp8 ? (kFp8Hd256Wide ? 240 : kFp8Hd128Wide ? 232 : 224)
+                                            : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-3 (kLdsmTranspose: 1-2) of the producer warpgroup transpose V (FP8); warp 0's first
   // thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? (kLdsmTranspose ? 64 : 96) : 0;

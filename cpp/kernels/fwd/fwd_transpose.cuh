@@ -275,6 +275,10 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
     FwdTile const tile = fwd_tile<T>(p, t);
     for (int n = tile.n_begin; n < tile.n_end; ++n) {
       pipe_v.consumer_wait(read);
+      // kLdsmTranspose: the Vt ring has the V ring's stages and advances with it, so its state is
+      // read's with the phase flipped (a producer starts at phase 1): one state less to keep
+      // (the 224-key tile's transposers spilled 8 B on 40 registers with two).
+      if constexpr (T::kLdsmTranspose) write = decltype(write)(read.index(), read.phase() ^ 1u, read.count());
       pipe_vt.producer_acquire(write);
       uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
       if constexpr (T::kLdsmTranspose) fwd_transpose_block_ldsm<T>(v, vt, x_ld, x_st);
@@ -283,7 +287,7 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
       pipe_vt.producer_commit(write);
       pipe_v.consumer_release(read);
       ++read;
-      ++write;
+      if constexpr (!T::kLdsmTranspose) ++write;
     }
   }
 }
