@@ -35,8 +35,12 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]  # the tests' helpers; jax_fa3 f
 import test_fp8_gpu as T  # noqa: E402
 from test_fp8 import _dequant, _weight, fp8_bound  # noqa: E402
 
-# The model runs without the extension: the head dims here are the kernels'.
+# The model runs without the extension: the head dims here are the kernels', and the key blocks
+# those of the FP8 tile table as landed (cpp/kernels/fwd/fwd_launch.cuh; a build reports its own
+# through jax_fa3._ffi.fwd_table_key_block).
+KEY_BLOCKS = {"full": {64: 128, 128: 192, 256: 64}, "banded": {64: 128, 128: 128, 256: 64}}
 T._ffi.kernel_head_dim = lambda direction, dtype, d, dv: d
+T._ffi.fwd_table_key_block = lambda dtype, d, banded: KEY_BLOCKS["banded" if banded else "full"][d]
 F32 = np.float32
 
 
@@ -100,7 +104,7 @@ def score(d, sq, sk, causal, bits):
     inputs = T._fp8_inputs(sq * 7 + sk + d, b, sq, sk, hq, hkv, d)
     q8, qd, k8, kd, v8, vd = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in inputs)
     o_out, o_lse = T._oracle(*inputs, causal=causal)
-    block_n = T.KERNEL_BLOCK_N["banded" if causal else "full"][d]  # causal: the banded tile
+    block_n = KEY_BLOCKS["banded" if causal else "full"][d]  # causal: the banded tile
     got, lse = kernel(q8, qd, k8, kd, v8, vd, causal, block_n, bits)
     q, k, v = (_dequant(x, xd) for x, xd in ((q8, qd), (k8, kd), (v8, vd)))
     w = np.maximum(_weight(q, k, v, causal=causal), 1e-30)

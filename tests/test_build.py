@@ -48,6 +48,21 @@ def test_build_info_lists_sane_instantiations():
 
 
 @built
+def test_build_info_key_blocks_cover_the_forward_kernels():
+    """One (dtype, head_dim, full, banded) entry per compiled forward kernel, with key blocks a
+    WGMMA takes (multiples of 16 up to 256; FP8's P V steps K by 32), as fwd_table_key_block
+    reports them."""
+    info = _ffi.build_info()
+    assert [(n, d) for n, d, _, _ in info["fwd_key_blocks"]] == info["fwd"]
+    for name, head_dim, full, banded in info["fwd_key_blocks"]:
+        for n in (full, banded):
+            assert 16 <= n <= 256 and n % (32 if name == "float8_e4m3fn" else 16) == 0, (name, head_dim, n)
+        assert _ffi.fwd_table_key_block(name, head_dim, banded=False) == full
+        assert _ffi.fwd_table_key_block(name, head_dim, banded=True) == banded
+    assert _ffi.fwd_table_key_block("bfloat16", 100, banded=False) is None  # no such kernel
+
+
+@built
 def test_registrations_hold_capsules():
     regs = _ffi._fa3_cuda.registrations()
     assert set(regs) >= {_ffi.FWD_TARGET, _ffi.BWD_TARGET} == {"jax_fa3_fwd", "jax_fa3_bwd"}
@@ -85,3 +100,23 @@ def test_extension_present_when_expected():
     if os.environ.get("FA3_EXPECT_EXTENSION") != "1":
         pytest.skip("FA3_EXPECT_EXTENSION is not set: the extension is optional here")
     assert _ffi.is_built(), f"the CUDA extension was expected but did not import: {_ffi._IMPORT_ERROR}"
+
+
+def test_fwd_table_key_block_reads_the_build(monkeypatch):
+    """fwd_table_key_block looks the (dtype, head dim) up in build_info's fwd_key_blocks (here a
+    stand-in extension, so it runs without a build), and is None without a build."""
+    import jax.numpy as jnp
+
+    class Extension:
+        @staticmethod
+        def build_info():
+            return {"fwd": [("float8_e4m3fn", 128)], "bwd": [], "arch": "sm_90a",
+                    "fwd_key_blocks": [("float8_e4m3fn", 128, 224, 128)]}
+
+    monkeypatch.setattr(_ffi, "_fa3_cuda", Extension)
+    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 128, banded=False) == 224
+    assert _ffi.fwd_table_key_block("float8_e4m3fn", 128, banded=True) == 128
+    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 256, banded=False) is None
+    assert _ffi.fwd_table_key_block(jnp.bfloat16, 128, banded=False) is None
+    monkeypatch.setattr(_ffi, "_fa3_cuda", None)
+    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 128, banded=False) is None

@@ -46,10 +46,6 @@ from jax_fa3 import _ffi, _masks, flash_attention, portable_fp8
 pytestmark = pytest.mark.gpu
 
 F8, BF16, F16 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float16
-# The FP8 tile table's kBlockN per kernel head dim (cpp/kernels/fwd/fwd_launch.cuh), for
-# problems whose band limits the work (`banded`) and the others (`full`): the oracle runs on the
-# same key blocks.
-KERNEL_BLOCK_N = {"full": {64: 128, 128: 192, 256: 64}, "banded": {64: 128, 128: 128, 256: 64}}
 HEAD_DIMS = (64, 128, 256)
 FLIP = 2.0 ** -3      # kernel vs oracle, every element: both within e4m3's 2^-4 w of exact
 MEAN = 2.0 ** -10     # kernel vs oracle: the mean excess over one bf16 step, in units of w
@@ -83,8 +79,9 @@ def _oracle(q8, qd, k8, kd, v8, vd, *, out_dtype=BF16, causal=False, window_size
     # The kernel's choice (cpp/include/fa3/params.h, band_limits_work): the banded tile when the
     # band cuts into seqlen_q + seqlen_k keys on either side.
     reach = q8.shape[1] + k8.shape[1]
-    tile = "banded" if min(left, right) < reach else "full"
-    block_n = KERNEL_BLOCK_N[tile][_ffi.kernel_head_dim("fwd", F8, d, dv)]
+    # The oracle runs on the kernel's key blocks: the FP8 tile table's (cpp/kernels/fwd/fwd_launch.cuh),
+    # as this build compiled it (an experiment's switch may change it).
+    block_n = _ffi.fwd_table_key_block(F8, _ffi.kernel_head_dim("fwd", F8, d, dv), banded=min(left, right) < reach)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     return jax.device_get(portable_fp8.forward(
         q8, k8, v8, (qd, kd, vd), softmax_scale=scale, softcap=softcap, left=left, right=right,

@@ -149,6 +149,12 @@ inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
 }
 
 template <typename Element, int kHeadDim>
+int fwd_table_key_block_impl(bool banded) {
+  using Table = FwdTileTable<Element, kHeadDim>;
+  return banded ? Table::banded::kBlockN : Table::full::kBlockN;
+}
+
+template <typename Element, int kHeadDim>
 size_t fwd_workspace_bytes_impl(const FwdParams& fp) {
   return fwd_uses_dynamic_schedule(fp) ? kFwdWorkspaceBytes : 0;  // the counter: one int
 }
