@@ -47,5 +47,6 @@ NB_MODULE(_fa3_cuda, m) {
     r["jax_fa3_bwd"] = ffi_capsule(fa3_bwd);
     return r;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
-  m.def("build_info", &build_info, "Compiled (dtype, head_dim) per direction, the forward tables' key blocks, CUDA/CUTLASS versions, arch.");
+  m.def("build_info", &build_info,
+        "Compiled (dtype, head_dim) per direction, the forward tables' key blocks, CUDA/CUTLASS versions, arch.");
 }
