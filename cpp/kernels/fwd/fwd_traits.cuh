@@ -26,6 +26,12 @@
 #ifndef FA3_FP8_LDSM_TRANSPOSER
 #define FA3_FP8_LDSM_TRANSPOSER 0
 #endif
+// Experiment (issue 28, A/B pending; docs/kernels.md): every FA3_FP8_EXP2_EMU-th exponential of an
+// FP8 softmax row on the FMA pipe (common/softmax.cuh, exp2_fma), where MUFU binds (hd64: ~2x the
+// tensor time per block; hd128 about equal to it); 0: all on MUFU.
+#ifndef FA3_FP8_EXP2_EMU
+#define FA3_FP8_EXP2_EMU 0
+#endif
 
 namespace fa3 {
 
@@ -101,6 +107,8 @@ struct FwdTraits {
   // Warps 1-3 (kLdsmTranspose: 1-2) of the producer warpgroup transpose V (FP8); warp 0's first
   // thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? (kLdsmTranspose ? 64 : 96) : 0;
+  // FP8 softmax: every kExp2EmuEvery-th exponential of a row on the FMA pipe (0: none).
+  static constexpr int kExp2EmuEvery = kFp8 ? FA3_FP8_EXP2_EMU : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
   static_assert(!kFp8 || (kNumMmaWG == 2 && kBlockN % 32 == 0), "FP8: 2 consumer warpgroups, K = 32 per P V WGMMA");
   // Two Q buffers used by alternate tiles (fwd_pipeline.cuh, FwdQProducer), where a second Q
