@@ -117,7 +117,8 @@ struct OnlineSoftmax {
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(s); ++c) {
         float x = fmaf(s(r, c), scale_log2, -m_exp);
-        s(r, c) = (kEmuEvery > 0 && c % kEmuEvery == kEmuEvery - 1) ? exp2_fma(x) : exp2f(x);
+        constexpr int kEvery = kEmuEvery > 0 ? kEmuEvery : 1;  // (no "% 0" where it is off)
+        s(r, c) = (kEmuEvery > 0 && c % kEvery == kEvery - 1) ? exp2_fma(x) : exp2f(x);
         sum += s(r, c);
       }
       row_sum[r] = sum;
