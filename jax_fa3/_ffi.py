@@ -40,7 +40,7 @@ def build_info() -> dict | None:
     info = dict(_fa3_cuda.build_info())
     info["fwd"] = [tuple(c) for c in info["fwd"]]
     info["bwd"] = [tuple(c) for c in info["bwd"]]
-    info["fwd_key_blocks"] = [tuple(c) for c in info.get("fwd_key_blocks", ())]
+    info["fwd_key_blocks"] = [tuple(c) for c in info["fwd_key_blocks"]]
     return info
 
 

@@ -148,7 +148,7 @@ struct WithTwoTransposerWarps : Tr {
 template <class Tr>
 int check_ldsm_transpose(int& conflict) {
   using Map = fa3::Fp8LdsmTransposeMap<WithTwoTransposerWarps<Tr>>;
-  constexpr int kBytes = Map::kStageBytes;
+  constexpr int kBytes = TransposeImages<Tr>::kBytes;
   int bad = 0;
   conflict = 0;
   TransposeImages<Tr> img;

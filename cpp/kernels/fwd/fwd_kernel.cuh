@@ -43,9 +43,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
     if constexpr (T::kFp8) {
-      bool const transposer =
-          threadIdx.x >= 32 && (T::kNumTransposeThreads == 96 || threadIdx.x < 32 + T::kNumTransposeThreads);
-      if (transposer) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
+      if (fwd_is_v_transposer<T>()) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();

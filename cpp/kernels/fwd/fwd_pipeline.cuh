@@ -30,6 +30,13 @@ using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
 // Parameters of the K and V rings: warpgroup 0 produces, the others consume; every thread
 // constructs the rings, and thread 0 initialises their barriers. FP8's V ring (v_ring) is
 // consumed by the V transposers (warps 1-3 or 1-2 of warpgroup 0, fwd_transpose.cuh) instead.
+// FP8: whether this thread of warpgroup 0 is one of the V transposers (warps 1-3, or 1-2 with
+// kLdsmTranspose; warp 0's first thread issues the TMAs).
+template <class T>
+CUTE_DEVICE bool fwd_is_v_transposer() {
+  return threadIdx.x >= 32 && (T::kNumTransposeThreads == 96 || threadIdx.x < 32 + T::kNumTransposeThreads);
+}
+
 template <class T>
 CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group, bool v_ring = false) {
   using Role = typename T::Pipeline::ThreadCategory;
@@ -39,9 +46,10 @@ CUTE_DEVICE typename T::Pipeline::Params fwd_kv_pipeline_params(int warp_group, 
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = T::kNumMmaThreads;
   if (T::kFp8 && v_ring) {
-    // Warp 3 of warpgroup 0 idles when only warps 1-2 transpose (kLdsmTranspose).
-    bool const idle = T::kNumTransposeThreads < 96 && threadIdx.x >= 32 + T::kNumTransposeThreads;
-    pp.role = warp_group != 0 || idle ? Role::NonParticipant : threadIdx.x < 32 ? Role::Producer : Role::Consumer;
+    pp.role = warp_group != 0   ? Role::NonParticipant
+              : threadIdx.x < 32  ? Role::Producer
+              : fwd_is_v_transposer<T>() ? Role::Consumer
+                                         : Role::NonParticipant;
     pp.num_consumers = T::kNumTransposeThreads;
   }
   return pp;

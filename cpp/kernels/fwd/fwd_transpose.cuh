@@ -108,9 +108,10 @@ CUTE_DEVICE uint32_t per_block(uint32_t x) {
 }
 
 // The offsets a thread's transposer holds across blocks: every unit's (Fp8TransposeMap::offsets),
-// or none (T::kLeanTranspose, the FA3_FP8_LEAN_TRANSPOSER experiment: fwd_traits.cuh).
+// or none (the FA3_FP8_LEAN_TRANSPOSER and FA3_FP8_LDSM_TRANSPOSER experiments: fwd_traits.cuh).
 template <class T>
-using Fp8TransposeOffsets = uint32_t[T::kLeanTranspose ? 1 : Fp8TransposeMap<T>::kUnitsPerThread];
+using Fp8TransposeOffsets =
+    uint32_t[T::kLeanTranspose || T::kLdsmTranspose ? 1 : Fp8TransposeMap<T>::kUnitsPerThread];
 
 // One V block at shared addresses v (stage base) to vt. Two units at a time: their 8 loads are in
 // flight together before the permutes.
@@ -170,7 +171,6 @@ struct Fp8LdsmTransposeMap {
   static constexpr int kWarps = 2;
   static constexpr int kGroupsPerWarp = T::kHeadDim / 32 / kWarps;  // column groups of 32 per warp
   static constexpr int kTilesPerWarp = T::kBlockN / 16 * kGroupsPerWarp;
-  static constexpr int kStageBytes = T::kBlockN * T::kHeadDim;
   static_assert(T::kNumTransposeThreads == 32 * kWarps && T::kHeadDim % 64 == 0 && T::kBlockN % 16 == 0);
 
   // Tile j of warp w: chunk j / kGroupsPerWarp, first column col0(j, w).
@@ -268,17 +268,16 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
   uint32_t const v0 = cute::cast_smem_ptr_to_uint(ss.v.data());
   uint32_t const vt0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
-  auto write = cutlass::make_producer_start_state<typename T::PipelineVt>();
   int const num_tiles = p.sched.num_tiles();
   static_assert(!T::kDynamicSchedule, "the transposers follow the producer's tiles on their own");
   for (int t = blockIdx.x; t < num_tiles; t = p.sched.template next<false>(t)) {
     FwdTile const tile = fwd_tile<T>(p, t);
     for (int n = tile.n_begin; n < tile.n_end; ++n) {
       pipe_v.consumer_wait(read);
-      // kLdsmTranspose: the Vt ring has the V ring's stages and advances with it, so its state is
-      // read's with the phase flipped (a producer starts at phase 1): one state less to keep
-      // (the 224-key tile's transposers spilled 8 B on 40 registers with two).
-      if constexpr (T::kLdsmTranspose) write = decltype(write)(read.index(), read.phase() ^ 1u, read.count());
+      // The Vt ring has the V ring's stages and advances with it: its producer state is read's
+      // with the phase flipped (a producer starts at phase 1). One state less to keep: the
+      // 224-key tile's transposers spilled 8 B on 40 registers with two.
+      typename T::PipelineState const write(read.index(), read.phase() ^ 1u, read.count());
       pipe_vt.producer_acquire(write);
       uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
       if constexpr (T::kLdsmTranspose) fwd_transpose_block_ldsm<T>(v, vt, x_ld, x_st);
@@ -287,7 +286,6 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
       pipe_vt.producer_commit(write);
       pipe_v.consumer_release(read);
       ++read;
-      if constexpr (!T::kLdsmTranspose) ++write;
     }
   }
 }
