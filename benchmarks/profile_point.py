@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         fn, (q, k, v) = point_fns("jax_fa3_fp8", bool(args.causal), fp8_inputs, None)
     else:
         q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
-        fn = attention_fn(args.impl, bool(args.causal))
+        fn = attention_fn(args.impl, bool(args.causal), args.direction)
     run, _ = make_loop(fn, args.direction, q, k, v)
     jax.block_until_ready(run(1))  # compile and warm up
     times = []

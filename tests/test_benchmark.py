@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
 
 
-def _stand_in(impl: str, causal: bool):
+def _stand_in(impl: str, causal: bool, direction: str = "fwd"):
     def exact(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
     if impl in ("exact", "exact_again"):
