@@ -18,10 +18,6 @@
 #include "fwd/fwd_pipeline.cuh"
 #include "fwd/fwd_traits.cuh"
 
-#ifndef FA3_FWD_SINK_EARLY
-#define FA3_FWD_SINK_EARLY 0
-#endif
-
 namespace fa3 {
 
 // The mask of one warpgroup's rows in one tile: which key blocks need one, and which one.
@@ -134,10 +130,6 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     FwdTile tile;
     if (!q.next_tile(p, dynamic, num_tiles, t, tile)) break;
     if constexpr (!T::kQPrefetch) tile = fwd_tile<T>(p, t);  // the consumers decode it themselves
-    // FA3_FWD_SINK_EARLY (issue 26's experiment, A/B pending; docs/kernels.md): the tile's sink
-    // logit loaded here, under the main loop, instead of in the epilogue (its latency showed there
-    // at short tiles: sinks cost 3-5% at hd64 causal 512 / 2k).
-    float const sink_early = FA3_FWD_SINK_EARLY ? sink_log2(p.sinks, tile.c.head) : 0.f;
     FwdTileDescale descale;
     if constexpr (T::kFp8) {  // the scores' factor goes where the softmax scale is (softcap: inside tanh)
       descale = FwdTileDescale::of(p, tile.c);
@@ -242,7 +234,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
     }
     // O / l, LSE; then the stores.
     float inv_sum[kRows], lse[kRows];
-    softmax.finalize(inv_sum, lse, FA3_FWD_SINK_EARLY ? sink_early : sink_log2(p.sinks, tile.c.head));
+    softmax.finalize(inv_sum, lse, sink_log2(p.sinks, tile.c.head));
     if constexpr (T::kDocs) {  // rows whose segment ids broke the contract: NaN, never wrong
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < kRows; ++r) {

@@ -3,8 +3,8 @@
 // One CTA = 1 producer warpgroup + kNumMmaWG (2 or 3) consumer warpgroups, one CTA per SM,
 // persistent over output tiles of kBlockM query rows of one (batch, head) (common/scheduler.cuh):
 //   * producer (fwd_producer.cuh; one thread, registers lowered with setmaxnreg): TMA loads of
-//     Q and of the K / V blocks; for FP8 the other three warps of its warpgroup (two with
-//     FA3_FP8_LDSM_TRANSPOSER) transpose V (fwd_transpose.cuh);
+//     Q and of the K / V blocks; for FP8 warps 1-2 of its warpgroup transpose V
+//     (fwd_transpose.cuh);
 //   * consumers (fwd_consumer.cuh; registers raised): 64 query rows each, Q K^T, mask, online
 //     softmax, P V, then the epilogue (fwd_epilogue.cuh);
 //   * their synchronisation (K / V rings, Q hand-off, ping-pong barriers): fwd_pipeline.cuh;

@@ -103,38 +103,36 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   d = 64: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; registers O 32 + S 64 + P 16.
 //   d = 128 unbanded: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24, spill-free
 //   at 224. Wider blocks share each row's max, rescale and hand-offs over more keys, which FP8's
-//   twice-as-fast GEMMs expose (H200, 16k tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128).
+//   twice-as-fast GEMMs expose (H200, 16k tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128;
+//   FA3's 128 x 224 measured level at 16k and -5% at 2k).
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
 //   d = 256: 128 x 64, 3 stages: 2 x 32 + 3 x 48 = 208 KB; O 128 + S 32 + P 8 (a 128-key block
-//   would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers).
+//   would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers). With
+//   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
+//   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
 using Fp8 = cutlass::float_e4m3_t;
 template <>
 struct FwdTileTable<Fp8, 64> {
   using full = FwdTraits<Fp8, 64, 128, 128, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
 };
-// Experiment (issue 28, A/B pending; docs/kernels.md): FA3's hd128 FP8 tile, 128 x 224, 2 stages:
-// 2 x 16 + 2 x 84 = 200 KB; O 64 + S 112 + P 28 of 232 registers. Needs FA3_FP8_LDSM_TRANSPOSER.
-#ifndef FA3_FP8_HD128_224
-#define FA3_FP8_HD128_224 0
-#endif
 template <>
 struct FwdTileTable<Fp8, 128> {
-  using full = FwdTraits<Fp8, 128, 128, FA3_FP8_HD128_224 ? 224 : 192, 2, true, false>;
+  using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
 };
-// Experiment (issue 28, A/B pending; docs/kernels.md): ping-pong on the FP8 hd256 tile.
-#ifndef FA3_FP8_HD256_PINGPONG
-#define FA3_FP8_HD256_PINGPONG 0
+// Experiment (issue 28, A/B pending; docs/kernels.md): FA3's FP8 hd256 tile, 128 x 128 keys.
+#ifndef FA3_FP8_HD256_128
+#define FA3_FP8_HD256_128 0
 #endif
 template <>
 struct FwdTileTable<Fp8, 256> {
-#if FA3_FP8_LEAN_TRANSPOSER  // 128 x 128, 2 stages: 32 + 3 x 2 x 32 = 224 KB; O 128 + S 64 + P 16 of 240
+#if FA3_FP8_HD256_128  // 128 x 128, 2 stages: 32 + 3 x 2 x 32 = 224 KB; O 128 + S 64 + P 16 of 240
   using full = FwdTraits<Fp8, 256, 128, 128, 2, true, false>;
 #else
-  using full = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, false>;
+  using full = FwdTraits<Fp8, 256, 128, 64, 3, true, false>;
 #endif
-  using banded = FwdTraits<Fp8, 256, 128, 64, 3, FA3_FP8_HD256_PINGPONG, true>;
+  using banded = FwdTraits<Fp8, 256, 128, 64, 3, true, true>;
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::

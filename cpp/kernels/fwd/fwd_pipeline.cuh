@@ -29,12 +29,12 @@ using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
 
 // Parameters of the K and V rings: warpgroup 0 produces, the others consume; every thread
 // constructs the rings, and thread 0 initialises their barriers. FP8's V ring (v_ring) is
-// consumed by the V transposers (warps 1-3 or 1-2 of warpgroup 0, fwd_transpose.cuh) instead.
-// FP8: whether this thread of warpgroup 0 is one of the V transposers (warps 1-3, or 1-2 with
-// kLdsmTranspose; warp 0's first thread issues the TMAs).
+// consumed by the V transposers (warps 1-2 of warpgroup 0, fwd_transpose.cuh) instead.
+// FP8: whether this thread of warpgroup 0 is one of the V transposers (warp 0's first thread
+// issues the TMAs).
 template <class T>
 CUTE_DEVICE bool fwd_is_v_transposer() {
-  return threadIdx.x >= 32 && (T::kNumTransposeThreads == 96 || threadIdx.x < 32 + T::kNumTransposeThreads);
+  return threadIdx.x >= 32 && threadIdx.x < 32 + T::kNumTransposeThreads;
 }
 
 template <class T>

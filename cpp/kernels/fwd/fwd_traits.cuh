@@ -11,21 +11,6 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
-// Experiment (issue 28, A/B pending; docs/kernels.md): the FP8 transposers on FA3's register
-// budget. Each unit's offsets are computed at every block (fwd_transpose.cuh) instead of held in
-// a per-thread table (16-22 registers: the spills at 32), so the producer warpgroup fits in 32
-// registers and the consumers get 240, enough for hd256's 128-key block (fwd_launch.cuh).
-#ifndef FA3_FP8_LEAN_TRANSPOSER
-#define FA3_FP8_LEAN_TRANSPOSER 0
-#endif
-// Experiment (issue 28, A/B pending; docs/kernels.md): the FP8 V transpose by ldmatrix.trans /
-// stmatrix on two warps (fwd_transpose.cuh, Fp8LdsmTransposeMap): ~6 instructions per 512 bytes
-// where the 4-byte units take ~34, which at hd128 is a third of the issue slots of the SM
-// sub-partitions the transposers share with the consumers (545 per block and warp, next to the
-// consumers' 2 x 566).
-#ifndef FA3_FP8_LDSM_TRANSPOSER
-#define FA3_FP8_LDSM_TRANSPOSER 0
-#endif
 // Experiment (issue 28, A/B pending; docs/kernels.md): every FA3_FP8_EXP2_EMU-th exponential of an
 // FP8 softmax row on the FMA pipe (common/softmax.cuh, exp2_fma), where MUFU binds (hd64: ~2x the
 // tensor time per block; hd128 about equal to it); 0: all on MUFU.
@@ -88,25 +73,15 @@ struct FwdTraits {
   // (fwd_transpose.cuh); 56 producer registers for the transposers' addresses and words (128 * 56
   // + 256 * 224 = 64512; the consumers hold O d/2 + S kBlockN/2 + P kBlockN/8).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // FA3's wider FP8 tiles (experiments, fwd_launch.cuh) need more consumer registers:
-  //   hd256 x 128 keys (FA3_FP8_LEAN_TRANSPOSER): 240, its transposers on 32, the lean ones or
-  //     (FA3_FP8_LDSM_TRANSPOSER) the ldmatrix ones (the lean transposer spilled 8-1060 B on the
-  //     other tiles; at 40 / 232 the consumers spilled 48 B);
-  //   hd128 x 224 keys (FA3_FP8_HD128_224): 232, the ldmatrix transposers on 40 (spill-free; at 32
-  //     / 240 the transposer's tile loop spilled 28 B).
+  // FA3's FP8 hd256 tile, 128 keys (the FA3_FP8_HD256_128 experiment, fwd_launch.cuh), needs 240
+  // consumer registers, its transposers on 32 (at 40 / 232 the consumers spilled 48 B).
   static constexpr bool kFp8Hd256Wide = kFp8 && kHeadDim == 256 && kBlockN == 128;
-  static constexpr bool kFp8Hd128Wide = kFp8 && kHeadDim == 128 && kBlockN == 224;
-  static constexpr bool kLdsmTranspose = kFp8 && FA3_FP8_LDSM_TRANSPOSER;
-  static constexpr bool kLeanTranspose = kFp8Hd256Wide && !kLdsmTranspose;
-  static_assert(!kFp8Hd128Wide || kLdsmTranspose, "the 224-key tile takes the ldmatrix transposer (the 4-byte units "
-                                                   "have 4-way conflicts on its 224-byte rows)");
-  static constexpr int kProducerRegs = kFp8 ? (kFp8Hd256Wide ? 32 : kFp8Hd128Wide ? 40 : 56)
+  static constexpr int kProducerRegs = kFp8 ? (kFp8Hd256Wide ? 32 : 56)
                                             : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kFp8 ? (kFp8Hd256Wide ? 240 : kFp8Hd128Wide ? 232 : 224)
+  static constexpr int kConsumerRegs = kFp8 ? (kFp8Hd256Wide ? 240 : 224)
                                             : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
-  // Warps 1-3 (kLdsmTranspose: 1-2) of the producer warpgroup transpose V (FP8); warp 0's first
-  // thread issues the TMAs.
-  static constexpr int kNumTransposeThreads = kFp8 ? (kLdsmTranspose ? 64 : 96) : 0;
+  // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
+  static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
   // FP8 softmax: every kExp2EmuEvery-th exponential of a row on the FMA pipe (0: none).
   static constexpr int kExp2EmuEvery = kFp8 ? FA3_FP8_EXP2_EMU : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
