@@ -76,16 +76,17 @@ struct FwdTraits {
   // FA3's FP8 hd256 tile, 128 keys (the FA3_FP8_HD256_128 experiment, fwd_launch.cuh), needs 240
   // consumer registers, its transposers on 32 (at 40 / 232 the consumers spilled 48 B).
   static constexpr bool kFp8Hd256Wide = kFp8 && kHeadDim == 256 && kBlockN == 128;
-  static constexpr int kProducerRegs = kFp8 ? (kFp8Hd256Wide ? 32 : 56)
-                                            : kNumMmaWG == 3 ? 32 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kFp8 ? (kFp8Hd256Wide ? 240 : 224)
-                                            : kNumMmaWG == 3 ? 160 : (kDynamicSchedule ? 232 : 240);
+  // FP8 with three consumer warpgroups (the FA3_FP8_HD64_192 experiment): 32 / 160, as bf16.
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32
+                                       : kFp8 ? (kFp8Hd256Wide ? 32 : 56) : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160
+                                       : kFp8 ? (kFp8Hd256Wide ? 240 : 224) : (kDynamicSchedule ? 232 : 240);
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
   // FP8 softmax: every kExp2EmuEvery-th exponential of a row on the FMA pipe (0: none).
   static constexpr int kExp2EmuEvery = kFp8 ? FA3_FP8_EXP2_EMU : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
-  static_assert(!kFp8 || (kNumMmaWG == 2 && kBlockN % 32 == 0), "FP8: 2 consumer warpgroups, K = 32 per P V WGMMA");
+  static_assert(!kFp8 || kBlockN % 32 == 0, "FP8: K = 32 per P V WGMMA");
   // Two Q buffers used by alternate tiles (fwd_pipeline.cuh, FwdQProducer), where a second Q
   // tile fits in shared memory (d = 64 banded and d = 96; not the 224 KB hd128 banded or 208 KB
   // hd128 unbanded tiles) and with two consumer warpgroups (the 3-warpgroup tiles spilled 20-28
