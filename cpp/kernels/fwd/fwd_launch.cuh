@@ -124,10 +124,20 @@ struct FwdTileTable<Fp8, 64> {
   using full = FwdTraits<Fp8, 64, FA3_FP8_HD64_192 ? 192 : 128, 128, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
 };
+// Experiment (issue 28, A/B pending; docs/kernels.md): long bands (causal from 4k) on the 192-key
+// block too, with the band mask (FP8 causal 16k ran at 709 against 931 non-causal: the 128-key
+// blocks' per-row overheads, as the unbanded tile measured).
+#ifndef FA3_FP8_HD128_LONG_BAND
+#define FA3_FP8_HD128_LONG_BAND 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
+#if FA3_FP8_HD128_LONG_BAND
+  using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
+  static constexpr int kLongBand = 4096;
+#endif
 };
 // Experiment (issue 28, A/B pending; docs/kernels.md): FA3's FP8 hd256 tile, 128 x 128 keys.
 #ifndef FA3_FP8_HD256_128
