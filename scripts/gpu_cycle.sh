@@ -75,8 +75,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== pytest ${PYTEST_ARGS:--m gpu tests} ($shards shards)"
   read -r -a gpus <<<"${TEST_GPUS:-}"
   logs=$(mktemp -d)  # per run: two cycles may test side by side (scripts/suite_variants.sh)
+  # A shard cut at its limit ends mid-line: each shard's header starts a line of its own.
   collect_logs() {
-    for ((i = 0; i < shards; i++)); do echo "---- shard $i/$shards"; cat "$logs/shard_$i.log"; done >"$OUT/pytest_gpu.log"
+    for ((i = 0; i < shards; i++)); do echo; echo "---- shard $i/$shards"; cat "$logs/shard_$i.log"; done >"$OUT/pytest_gpu.log"
+    python3 -P scripts/tests_not_reached.py "$logs" "$shards" >>"$OUT/pytest_gpu.log"
   }
   # Stopped from outside (an enclosing `timeout`, or scripts/suite_variants.sh): end the shards
   # (each shard's `timeout` passes the signal on to its pytest) and keep what they logged so far.
@@ -88,7 +90,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     gpu_env=()
     [ ${#gpus[@]} -gt 0 ] && gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]})
     env "${gpu_env[@]}" FA3_TEST_SHARD=$i/$shards XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      timeout --foreground "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -v --no-header \
+      FA3_TEST_SHARD_LIST=$logs/shard_$i.ids timeout --foreground "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -v --no-header \
       -p no:cacheprovider -rfEsxX >"$logs/shard_$i.log" 2>&1 &
     pids+=($!)
   done
@@ -100,7 +102,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for pid in "${pids[@]}"; do wait "$pid"; rc=$?; [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed=1; done
   trap - TERM INT
   collect_logs
-  grep -hE "^(FAILED|ERROR|XPASS)|(passed|failed|error|skipped).* in [0-9.]+s" "$OUT/pytest_gpu.log" | head -60
+  grep -hE "^(FAILED|ERROR|XPASS)|(passed|failed|error|skipped).* in [0-9.]+s|^not reached" "$OUT/pytest_gpu.log" | head -60
   [ $failed -eq 0 ] || { status=1; echo "pytest: a shard failed or timed out (rc != 0): see pytest_gpu.log"; }
   grep -qE "[0-9]+ passed" "$OUT/pytest_gpu.log" || { status=1; echo "pytest: no shard passed a test (all skipped or none collected)"; }
 fi

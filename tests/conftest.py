@@ -49,6 +49,15 @@ def _keep_shard(config, items):
     items[:] = kept
 
 
+def pytest_collection_finish(session):
+    """FA3_TEST_SHARD_LIST=path: the shard's selected tests, one node id a line, so that
+    scripts/gpu_cycle.sh can name the tests a shard cut at its time limit never reached."""
+    path = os.environ.get("FA3_TEST_SHARD_LIST")
+    if path:
+        with open(path, "w") as f:
+            f.writelines(f"{item.nodeid}\n" for item in session.items)
+
+
 def pytest_runtest_logreport(report):
     """In a sharded device run (FA3_TEST_SHARD), print a failure's report the moment it happens:
     scripts/gpu_cycle.sh cuts a shard at its time limit, and a cut pytest prints no summary (the
