@@ -89,9 +89,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   for ((i = 0; i < shards; i++)); do
     gpu_env=()
     [ ${#gpus[@]} -gt 0 ] && gpu_env=(CUDA_VISIBLE_DEVICES=${gpus[i % ${#gpus[@]}]})
+    # XLA's GEMM autotuning is off for the tests (as for the sanitizer): each test compiles its
+    # XLA baseline for shapes of its own, and the baseline's error (the yardstick of the error-ratio
+    # rule) comes from the bf16 rounding of its output, not from the GEMM algorithm. TEST_XLA_FLAGS
+    # overrides it. --durations: the slowest tests of each shard that finishes.
     env "${gpu_env[@]}" FA3_TEST_SHARD=$i/$shards XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      XLA_FLAGS="${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0}" \
       FA3_TEST_SHARD_LIST=$logs/shard_$i.ids timeout --foreground "${TEST_TIMEOUT:-400}" python3 -P -m pytest ${PYTEST_ARGS:--m gpu tests} -v --no-header \
-      -p no:cacheprovider -rfEsxX >"$logs/shard_$i.log" 2>&1 &
+      -p no:cacheprovider -rfEsxX --durations=8 >"$logs/shard_$i.log" 2>&1 &
     pids+=($!)
   done
   # A shard cut at TEST_TIMEOUT prints no summary: tests/conftest.py prints each failure's report
