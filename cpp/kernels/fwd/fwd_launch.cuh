@@ -111,17 +111,19 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
 //   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
 using Fp8 = cutlass::float_e4m3_t;
-// Experiment (issue 28, A/B pending; docs/kernels.md): FP8 hd64 unbanded on bf16's 192 x 128,
-// three consumer warpgroups on 160 registers (O 32 + S 64 + P 16), the transposers on 32; 4
-// stages: 12 + 4 x 24 = 108 KB. The ldmatrix transposers need few registers, which frees the
-// third warpgroup's; at hd64 a block's softmax chain is long next to its GEMMs, and bf16 hides
-// it with the third warpgroup (FP8 hd64 runs at 0.81-0.87x of bf16's 192-row tile).
+// Experiment (issue 28, A/B pending; docs/kernels.md): FP8 hd64 unbanded on 192 query rows, three
+// consumer warpgroups on 160 registers, the transposers on 32; FA3_FP8_HD64_192 = the key block:
+// 128 (bf16's tile; O 32 + S 64 + P 16; 12 + 4 x 24 = 108 KB) or 160 (FA3's FP8 tile; 132 KB).
+// The ldmatrix transposers need few registers, which frees the third warpgroup's; at hd64 a
+// block's softmax chain is long next to its GEMMs, and bf16 hides it with the third warpgroup
+// (FP8 hd64 runs at 0.81-0.87x of bf16's 192-row tile).
 #ifndef FA3_FP8_HD64_192
 #define FA3_FP8_HD64_192 0
 #endif
 template <>
 struct FwdTileTable<Fp8, 64> {
-  using full = FwdTraits<Fp8, 64, FA3_FP8_HD64_192 ? 192 : 128, 128, 4, true, false>;
+  using full = FwdTraits<Fp8, 64, FA3_FP8_HD64_192 ? 192 : 128, FA3_FP8_HD64_192 ? FA3_FP8_HD64_192 : 128, 4,
+                         true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
 };
 // Experiment (issue 28, A/B pending; docs/kernels.md): long bands (causal from 4k) on the 192-key
