@@ -97,7 +97,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 };
 
 // FP8 (e4m3): 128 query rows on two consumer warpgroups (the V transposers take the producer
-// warpgroup's spare warps, which three consumer warpgroups' register split would starve),
+// warpgroup's spare warps; three consumer warpgroups leave them 32 registers, see d = 64),
 // kBlockN a multiple of 32 (the P V WGMMA's K). Shared memory per stage is K + V + transposed V,
 // each kBlockN x d bytes. Ping-pong as for bf16.
 //   d = 64: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; registers O 32 + S 64 + P 16.
