@@ -71,8 +71,8 @@ struct FwdTraits {
   // consumers peak at R223). The 3-consumer banded tile runs one CTA per tile instead.
   // FP8: the static schedule only, so that the V transposers walk the tiles on their own
   // (fwd_transpose.cuh); 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold
-  // O d/2 + S kBlockN/2 + P kBlockN/8). The earlier 4-byte-unit transposers needed them; the
-  // ldmatrix ones also run on 32, one tile's loads at a time (the experiments below).
+  // O d/2 + S kBlockN/2 + P kBlockN/8). The transposers also run on 32, one tile's loads at a
+  // time (the tiles that need the registers elsewhere: the experiments below).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
   // FA3's FP8 hd256 tile, 128 keys (the FA3_FP8_HD256_128 experiment, fwd_launch.cuh), needs 240
   // consumer registers, its transposers on 32 (at 40 / 232 the consumers spilled 48 B).
