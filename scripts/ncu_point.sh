@@ -6,6 +6,9 @@
 # main kernels, the split-D hd256 one included) with the sections that say where the time
 # goes: speed of light, compute workload (tensor pipe), warp states (stall reasons), occupancy,
 # memory. Clocks stay as they are (--clock-control none). Writes OUT_DIR/ncu_<tag>.txt (and .ncu-rep unless NCU_REP=0).
+# $KERNELS matches the demangled name: FA3's kernels are all `cutlass::device_kernel<...>` by their
+# function name (session 27's FA3 profile matched none), so name them by their template, e.g.
+# KERNELS="FlashAttnBwdSm90".
 # NCU_SECTIONS: the sections, space-separated (e.g. "SpeedOfLight" for kernel durations alone).
 # Per-kernel times of a whole call: NCU_DURATIONS=1 (one metric, gpu__time_duration.sum, so one
 # pass and no replay: ~20 s a point; every kernel but XLA's loop/concatenate fusions, from the
@@ -44,7 +47,7 @@ elif [ "${NCU_REP:-1}" = 1 ]; then
 fi
 PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} timeout "${NCU_TIMEOUT:-300}" \
   ncu --clock-control none --target-processes all \
-    --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
+    --kernel-name-base demangled --kernel-name "regex:${KERNELS:-fwd_kernel|bwd_main_kernel|bwd_split_d_kernel}" --launch-skip "${NCU_SKIP:-1}" --launch-count "${NCU_COUNT:-1}" \
     "${sections[@]}" ${NCU_EXTRA:-} "${rep[@]}" python3 -P benchmarks/profile_point.py "$@" 2>&1 | tee "$OUT/ncu_$tag.txt" | tail -120
 status=${PIPESTATUS[0]}
 if [ "${NCU_SOURCE:-0}" = 1 ]; then

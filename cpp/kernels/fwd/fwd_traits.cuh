@@ -11,13 +11,6 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
-// Experiment (issue 28, A/B pending; docs/kernels.md): every FA3_FP8_EXP2_EMU-th exponential of an
-// FP8 softmax row on the FMA pipe (common/softmax.cuh, exp2_fma), where MUFU binds (hd64: ~2x the
-// tensor time per block; hd128 about equal to it); 0: all on MUFU.
-#ifndef FA3_FP8_EXP2_EMU
-#define FA3_FP8_EXP2_EMU 0
-#endif
-
 namespace fa3 {
 
 // FP8 only: the transposed V ring (fwd_transpose.cuh), empty otherwise (a base class, so that it
@@ -84,8 +77,6 @@ struct FwdTraits {
                                        : kFp8 ? (kFp8Hd256Wide ? 240 : 224) : (kDynamicSchedule ? 232 : 240);
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
-  // FP8 softmax: every kExp2EmuEvery-th exponential of a row on the FMA pipe (0: none).
-  static constexpr int kExp2EmuEvery = kFp8 ? FA3_FP8_EXP2_EMU : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
   static_assert(!kFp8 || kBlockN % 32 == 0, "FP8: K = 32 per P V WGMMA");
   // Two Q buffers used by alternate tiles (fwd_pipeline.cuh, FwdQProducer), where a second Q
