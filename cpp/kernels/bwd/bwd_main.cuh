@@ -263,11 +263,10 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         const int prev_stage = (it + kStages - 1) % kStages;
         const bool pending = Tr::kOverlapDK && it != it_pass;
         TxBar::wait(&ss.full[stage], phase);
-        // kSplitQdO: dO and D are waited for right before the first dP^T (S^T is issued first).
+        // dO and D are waited for right before the first dP^T: S^T is issued first (ABBA:
+        // +1.2% geomean, up to +3.3% at hd64 causal 8k).
         auto wait_do = [&](int sub) {
-          if constexpr (Tr::kSplitQdO) {
-            if (sub == 0) TxBar::wait(do_full_barrier<Tr>(ss, stage), phase);
-          }
+          if (sub == 0) TxBar::wait(&ss.full_do[stage], phase);
         };
 
         // kSdPAhead: every sub-step's S^T and dP^T issued here (see above).
@@ -405,7 +404,10 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // Everything a role needs is (re)computed after its setmaxnreg, so that no value lives across
   // the register reallocation (ptxas would spill it).
   if (threadIdx.x == 0) {
-    init_ring_barriers<Tr>(aligned_storage<typename Tr::SharedStorage, false>(smem_raw));
+    auto& ss = aligned_storage<typename Tr::SharedStorage, false>(smem_raw);
+    init_ring_barriers<Tr>(ss);
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
       cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());

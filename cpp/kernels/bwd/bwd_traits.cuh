@@ -148,12 +148,6 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-// Experiment (issue 29, A/B pending; docs/kernels.md): a stage's Q + LSE and dO + D complete
-// on two barriers, so that S^T is issued before dO lands, as FA3 does.
-#ifndef FA3_BWD_SPLIT_QDO
-#define FA3_BWD_SPLIT_QDO 0
-#endif
-
 // Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
 template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_>
 struct BwdTraitsT {
@@ -184,7 +178,6 @@ struct BwdTraitsT {
   // Issue every sub-step's S^T/dP^T at the top of the step (kSubM > 1, i.e. hd64; not with
   // softcap, which then spills 8 B): see bwd_main.cuh. +4..+11% at 4k-16k with kDQSplitM.
   static constexpr bool kSdPAhead = kSubM > 1 && !kSoftcap;
-  static constexpr bool kSplitQdO = FA3_BWD_SPLIT_QDO;  // SharedStorage::full_do
   // The per-column statistics (LSE, D) come through lane shuffles: kBlockMSdP/32 registers per
   // statistic instead of up to kBlockMSdP/4 hoisted smem loads (hd128: 20 B of spills -> 0).
   // kShflSegLane: with an immediate source-lane base (shfl_idx_seg3), which ptxas deduplicates
@@ -290,9 +283,7 @@ struct BwdTraitsT {
     uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-#if FA3_BWD_SPLIT_QDO
-    uint64_t full_do[kStages];  // kSplitQdO: dO + D of stage s (full[s]: Q + LSE)
-#endif
+    uint64_t full_do[kStages];  // dO + D of stage s (full[s]: Q + LSE)
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -320,7 +311,7 @@ struct BwdLoads {
   static constexpr uint32_t kBytesQ = Tr::kBlockM * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = Tr::kBlockN * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRow = Tr::kBlockM * sizeof(float);  // LSE or D of one query block
-  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+  static constexpr uint32_t kBytesHalfStage = kBytesQ + kBytesRow;  // Q + LSE, or dO + D
 };
 
 }  // namespace bwd

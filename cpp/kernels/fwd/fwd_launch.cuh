@@ -97,10 +97,15 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 };
 
 // FP8 (e4m3): 128 query rows on two consumer warpgroups (the V transposers take the producer
-// warpgroup's spare warps; three consumer warpgroups leave them 32 registers, see d = 64),
-// kBlockN a multiple of 32 (the P V WGMMA's K). Shared memory per stage is K + V + transposed V,
-// each kBlockN x d bytes. Ping-pong as for bf16.
-//   d = 64: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; registers O 32 + S 64 + P 16.
+// warpgroup's spare warps), except hd64 unbanded: 192 rows on three; kBlockN a multiple of 32
+// (the P V WGMMA's K). Shared memory per stage is K + V + transposed V, each kBlockN x d bytes.
+// Ping-pong as for bf16.
+//   d = 64 unbanded: 192 x 160 (FA3's FP8 tile), 4 stages: 12 (Q) + 4 x 30 = 132 KB; three
+//   consumer warpgroups on 160 registers (O 32 + S 80 + P 20), the transposers on 32 (the
+//   ldmatrix transposer needs few). At hd64 a block's softmax chain is long next to its GEMMs,
+//   which the third warpgroup hides, as at bf16 (H200, 16k tokens: +25% at 2k, +47% at 16k over
+//   128 x 128; 192 x 128 level at 2k, -3% at 16k).
+//   Banded: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; O 32 + S 64 + P 16.
 //   d = 128 unbanded: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24, spill-free
 //   at 224. Wider blocks share each row's max, rescale and hand-offs over more keys, which FP8's
 //   twice-as-fast GEMMs expose (H200, 16k tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128;
@@ -111,35 +116,20 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
 //   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
 using Fp8 = cutlass::float_e4m3_t;
-// Experiment (issue 28, A/B pending; docs/kernels.md): FP8 hd64 unbanded on 192 query rows, three
-// consumer warpgroups on 160 registers, the transposers on 32; FA3_FP8_HD64_192 = the key block:
-// 128 (bf16's tile; O 32 + S 64 + P 16; 12 + 4 x 24 = 108 KB) or 160 (FA3's FP8 tile; 132 KB).
-// The ldmatrix transposers need few registers, which frees the third warpgroup's; at hd64 a
-// block's softmax chain is long next to its GEMMs, and bf16 hides it with the third warpgroup
-// (FP8 hd64 runs at 0.81-0.87x of bf16's 192-row tile).
-#ifndef FA3_FP8_HD64_192
-#define FA3_FP8_HD64_192 0
-#endif
 template <>
 struct FwdTileTable<Fp8, 64> {
-  using full = FwdTraits<Fp8, 64, FA3_FP8_HD64_192 ? 192 : 128, FA3_FP8_HD64_192 ? FA3_FP8_HD64_192 : 128, 4,
-                         true, false>;
+  using full = FwdTraits<Fp8, 64, 192, 160, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
 };
-// Experiment (issue 28, A/B pending; docs/kernels.md): long bands (causal from 4k) on the 192-key
-// block too, with the band mask (FP8 causal 16k ran at 709 against 931 non-causal: the 128-key
-// blocks' per-row overheads, as the unbanded tile measured).
-#ifndef FA3_FP8_HD128_LONG_BAND
-#define FA3_FP8_HD128_LONG_BAND 0
-#endif
+// d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block too,
+// with the band mask: the 128-key blocks' per-row overheads, as the unbanded tile measured
+// (H200, causal 16k: 780 -> 885 TFLOP/s).
 template <>
 struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
-#if FA3_FP8_HD128_LONG_BAND
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
   static constexpr int kLongBand = 4096;
-#endif
 };
 // Experiment (issue 28, A/B pending; docs/kernels.md): FA3's FP8 hd256 tile, 128 x 128 keys.
 #ifndef FA3_FP8_HD256_128
@@ -164,12 +154,6 @@ static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the 
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
   return work_varies(fp.shape, fp.opts, fp.docs);
-}
-
-template <typename Element, int kHeadDim>
-int fwd_table_key_block_impl(bool banded) {
-  using Table = FwdTileTable<Element, kHeadDim>;
-  return banded ? Table::banded::kBlockN : Table::full::kBlockN;
 }
 
 template <typename Element, int kHeadDim>
@@ -299,28 +283,51 @@ struct NarrowTile<Table, std::void_t<typename Table::narrow>> {
   using type = typename Table::narrow;
 };
 
-template <typename Element, int kHeadDim>
-cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
+template <class T>
+struct TileTag {
+  using type = T;  // void: no tile runs the problem
+};
+
+// The tile of (Element, kHeadDim)'s table that a problem runs on, handed to `f` as a TileTag:
+// run_fwd_impl launches it, fwd_key_block_impl reports its key block (the FP8 oracle's).
+template <typename Element, int kHeadDim, class F>
+auto with_fwd_tile(const FwdParams& fp, F&& f) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
   if (!work_varies(fp.shape, fp.opts, fp.docs)) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
     static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
-    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN))
-      return launch_fwd<Narrow>(fp, stream);
-    return launch_fwd<Full>(fp, stream);
+    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN)) return f(TileTag<Narrow>{});
+    return f(TileTag<Full>{});
   }
   // Documents bound each row's keys by their length, unknown here: the regular banded tile.
   // FP8 kernels take no documents (the FFI handler rejects them).
-  if constexpr (Table::banded::kFp8) {
-    if (fp.docs.present()) return cudaErrorNotSupported;
-  } else {
-    if (fp.docs.present()) return launch_fwd<FwdDocsTraits<typename Table::banded>>(fp, stream);
+  if (fp.docs.present()) {
+    if constexpr (Table::banded::kFp8) return f(TileTag<void>{});
+    else return f(TileTag<FwdDocsTraits<typename Table::banded>>{});
   }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
-    return launch_fwd<typename Long::type>(fp, stream);
-  return launch_fwd<typename Table::banded>(fp, stream);
+    return f(TileTag<typename Long::type>{});
+  return f(TileTag<typename Table::banded>{});
+}
+
+template <typename Element, int kHeadDim>
+int fwd_key_block_impl(const FwdParams& fp) {
+  return with_fwd_tile<Element, kHeadDim>(fp, [](auto tile) {
+    using T = typename decltype(tile)::type;
+    if constexpr (std::is_void_v<T>) return 0;
+    else return int(T::kBlockN);
+  });
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
+  return with_fwd_tile<Element, kHeadDim>(fp, [&](auto tile) {
+    using T = typename decltype(tile)::type;
+    if constexpr (std::is_void_v<T>) return cudaErrorNotSupported;
+    else return launch_fwd<T>(fp, stream);
+  });
 }
 
 }  // namespace fa3

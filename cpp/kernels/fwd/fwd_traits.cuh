@@ -65,12 +65,13 @@ struct FwdTraits {
   // FP8: the static schedule only, so that the V transposers walk the tiles on their own
   // (fwd_transpose.cuh); 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold
   // O d/2 + S kBlockN/2 + P kBlockN/8). The transposers also run on 32, one tile's loads at a
-  // time (the tiles that need the registers elsewhere: the experiments below).
+  // time, where the registers are needed elsewhere: hd64's three consumer warpgroups, the hd256
+  // 128-key experiment below.
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
   // FA3's FP8 hd256 tile, 128 keys (the FA3_FP8_HD256_128 experiment, fwd_launch.cuh), needs 240
   // consumer registers, its transposers on 32 (at 40 / 232 the consumers spilled 48 B).
   static constexpr bool kFp8Hd256Wide = kFp8 && kHeadDim == 256 && kBlockN == 128;
-  // FP8 with three consumer warpgroups (the FA3_FP8_HD64_192 experiment): 32 / 160, as bf16.
+  // FP8 with three consumer warpgroups (hd64 unbanded): 32 / 160, as bf16.
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32
                                        : kFp8 ? (kFp8Hd256Wide ? 32 : 56) : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160
