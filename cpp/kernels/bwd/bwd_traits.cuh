@@ -148,6 +148,11 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
+// Experiment (issue 29, A/B pending; docs/kernels.md): LSE / D loaded before the GEMMs.
+#ifndef FA3_BWD_STATS_EARLY
+#define FA3_BWD_STATS_EARLY 0
+#endif
+
 // Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
 template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_>
 struct BwdTraitsT {
@@ -187,6 +192,10 @@ struct BwdTraitsT {
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
   static constexpr bool kStatsLds = !kSoftcap && kHeadDim < 128 && kDQSmem;
+  // kStatsEarly (experiment FA3_BWD_STATS_EARLY, issue 29): the shuffled tiles with one sub-step
+  // per step load LSE / D right after their barriers, before the S^T / dP^T issue (ncu, hd128
+  // causal 8k: 10% of the stall samples on the LDS -> SHFL -> FFMA chain issued after the GEMMs).
+  static constexpr bool kStatsEarly = FA3_BWD_STATS_EARLY && !kStatsLds && kSubM == 1;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less
