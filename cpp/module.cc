@@ -2,6 +2,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -20,9 +22,11 @@ nb::capsule ffi_capsule(Fn* fn) {
 constexpr std::pair<fa3::DType, const char*> kDTypeNames[] = {
     {fa3::DType::kBF16, "bfloat16"}, {fa3::DType::kFP16, "float16"}, {fa3::DType::kE4M3, "float8_e4m3fn"}};
 
-// fa3::fwd_key_block for a problem given by its sizes and (normalised) band, no documents.
+// fa3::fwd_key_block for a problem given by its sizes and band (clamped to the kernels' range, as
+// jax_fa3/_masks.py clamp does for the FFI call), no documents.
 int fwd_key_block(const std::string& dtype, int head_dim, int head_dim_v, int seqlen_q, int seqlen_k,
-                  int window_left, int window_right) {
+                  int64_t window_left, int64_t window_right) {
+  auto clamp = [](int64_t w) { return int(std::clamp<int64_t>(w, -fa3::kUnbounded, fa3::kUnbounded)); };
   fa3::FwdParams p;
   bool known = false;
   for (auto [d, name] : kDTypeNames)
@@ -33,8 +37,8 @@ int fwd_key_block(const std::string& dtype, int head_dim, int head_dim_v, int se
   p.shape.head_dim_v = head_dim_v;
   p.shape.seqlen_q = seqlen_q;
   p.shape.seqlen_k = seqlen_k;
-  p.opts.window_left = window_left;
-  p.opts.window_right = window_right;
+  p.opts.window_left = clamp(window_left);
+  p.opts.window_right = clamp(window_right);
   return fa3::fwd_key_block(p);
 }
 

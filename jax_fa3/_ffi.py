@@ -11,8 +11,6 @@ import functools
 
 import jax
 
-from jax_fa3 import _masks
-
 try:
     import jax_fa3._fa3_cuda as _fa3_cuda
 except ImportError as _err:  # built without CUDA, or the import failed
@@ -47,13 +45,14 @@ def build_info() -> dict | None:
 def fwd_key_block(dtype, head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, left: int,
                   right: int) -> int | None:
     """Keys per block of the forward tile that the kernel runs this problem on (no documents;
-    `left` / `right`: the band as `_masks.band` normalises it), as the launcher chooses it; None
+    `left` / `right`: the band as `_masks.band` normalises it; the extension clamps it to the
+    kernels' range), as the launcher chooses it; None
     without a build or a kernel. The FP8 numerics depend on it (P is rounded against each
     block's running max), so the FP8 oracle takes its blocks from here."""
     if _fa3_cuda is None:
         return None
     n = _fa3_cuda.fwd_key_block(jax.numpy.dtype(dtype).name, head_dim, head_dim_v, seqlen_q, seqlen_k,
-                                _masks.clamp(left), _masks.clamp(right))
+                                int(left), int(right))
     return n or None
 
 

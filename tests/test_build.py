@@ -67,6 +67,7 @@ def test_fwd_key_block_of_every_forward_kernel():
         block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 128, 128)
         assert block(4100, 4100, U, 0) == block(4100, 4100, U, U) == 192
         assert block(4100, 4100, 4200, 30) == 192  # a window of 4231 keys
+        assert block(4100, 4100, 1 << 40, 0) == 192  # bounds past the kernels' range are clamped
         assert block(4000, 4000, U, 0) == block(4100, 4100, 1000, 0) == 128
     assert _ffi.fwd_key_block("bfloat16", 264, 264, 128, 128, U, U) is None  # no such kernel
 
@@ -112,8 +113,8 @@ def test_extension_present_when_expected():
 
 
 def test_fwd_key_block_asks_the_build(monkeypatch):
-    """fwd_key_block passes the dtype's name and the band, clamped to the kernels' range, to the
-    extension (here a stand-in, so it runs without a build); 0 from it and no build give None."""
+    """fwd_key_block passes the dtype's name, the sizes and the band to the extension (here a
+    stand-in, so it runs without a build); 0 from it and no build give None."""
     import jax.numpy as jnp
 
     seen = []
@@ -126,8 +127,8 @@ def test_fwd_key_block_asks_the_build(monkeypatch):
 
     monkeypatch.setattr(_ffi, "_fa3_cuda", Extension)
     assert _ffi.fwd_key_block(jnp.float8_e4m3fn, 64, 64, 300, 400, 1 << 40, 0) == 160
-    assert seen[-1] == ("float8_e4m3fn", 64, 64, 300, 400, _masks.UNBOUNDED, 0)
+    assert seen[-1] == ("float8_e4m3fn", 64, 64, 300, 400, 1 << 40, 0)
     assert _ffi.fwd_key_block(jnp.bfloat16, 264, 264, 1, 1, 0, -(1 << 40)) is None
-    assert seen[-1] == ("bfloat16", 264, 264, 1, 1, 0, -_masks.UNBOUNDED)
+    assert seen[-1] == ("bfloat16", 264, 264, 1, 1, 0, -(1 << 40))
     monkeypatch.setattr(_ffi, "_fa3_cuda", None)
     assert _ffi.fwd_key_block(jnp.float8_e4m3fn, 64, 64, 300, 400, 0, 0) is None
