@@ -116,10 +116,20 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
 //   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
 using Fp8 = cutlass::float_e4m3_t;
+// Experiment (issue 28, A/B pending; docs/kernels.md): 192 x 128 for short unbanded problems,
+// where 160-key blocks pad the most (512 keys: 640 of work, 1k: 1120). Its per-block cost of ~24
+// keys fits session 27's A/B (192 x 160 +3% at 16k, level at 2k): narrow at 512 and 1k only.
+#ifndef FA3_FP8_HD64_NARROW
+#define FA3_FP8_HD64_NARROW 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 64> {
   using full = FwdTraits<Fp8, 64, 192, 160, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
+#if FA3_FP8_HD64_NARROW
+  using narrow = FwdTraits<Fp8, 64, 192, 128, 4, true, false>;
+  static constexpr int64_t kPadBlockKeys = 24;
+#endif
 };
 // d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block too,
 // with the band mask: the 128-key blocks' per-row overheads, as the unbanded tile measured
@@ -266,12 +276,21 @@ inline int64_t band_width(const FwdParams& fp) {
 // +4..+8%). Same query tile both ways (kBlockM 128), so only the key side differs.
 constexpr int64_t kFwdPadBlockKeys = 8;
 
-inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n) {
+inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n,
+                                   int64_t pad_keys = kFwdPadBlockKeys) {
   if (narrow_n >= wide_n) return false;
   int64_t wide_blocks = (seqlen_k + wide_n - 1) / wide_n;
   int64_t narrow_blocks = (seqlen_k + narrow_n - 1) / narrow_n;
-  return narrow_blocks * (narrow_n + kFwdPadBlockKeys) < wide_blocks * (wide_n + kFwdPadBlockKeys);
+  return narrow_blocks * (narrow_n + pad_keys) < wide_blocks * (wide_n + pad_keys);
 }
+
+// A table's fixed block cost in key columns (`kPadBlockKeys`), where it measured its own; else
+// kFwdPadBlockKeys.
+template <class Table, class = void>
+struct PadBlockKeys : std::integral_constant<int64_t, kFwdPadBlockKeys> {};
+template <class Table>
+struct PadBlockKeys<Table, std::void_t<decltype(Table::kPadBlockKeys)>>
+    : std::integral_constant<int64_t, Table::kPadBlockKeys> {};
 
 // A table's narrower tile for unbanded problems (`narrow`), where it has one; else `full`.
 template <class Table, class = void>
@@ -298,7 +317,8 @@ auto with_fwd_tile(const FwdParams& fp, F&& f) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
     static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
-    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN)) return f(TileTag<Narrow>{});
+    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN, PadBlockKeys<Table>::value))
+      return f(TileTag<Narrow>{});
     return f(TileTag<Full>{});
   }
   // Documents bound each row's keys by their length, unknown here: the regular banded tile.
