@@ -126,6 +126,7 @@ def fp8_cases_for(d: int) -> list[Case]:
     options the FP8 forward branches on, ragged lengths, rows without keys."""
     c = [
         Case("fp8-full", FP8, d, 2, 200, 513, 4, 2),
+        Case("fp8-full-512", FP8, d, 1, 130, 512, 2, 2),  # a table's narrow unbanded tile, where it has one
         Case("fp8-causal", FP8, d, 1, 777, 777, 4, 2, causal=True),
         Case("fp8-causal-sq>sk", FP8, d, 1, 300, 129, 2, 1, causal=True),  # rows without keys
         Case("fp8-window-softcap", FP8, d, 2, 300, 700, 6, 3, window=(100, 20), softcap=5.0),
