@@ -242,6 +242,15 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   // and phase of the Q/dO ring, the dS buffer (dS is written only in pass 0, whose steps come
   // first), and the stage an in-flight dK still reads (the previous step's).
   int it = 0;
+  // kDQLateHandoff: this warpgroup's dQ tile of the previous step is written but not yet handed
+  // to the writer; handed over once this step's S^T / dP^T are issued (or after the last step).
+  bool dq_held = false;
+  auto hand_held_dq = [&] {
+    if constexpr (Tr::kDQLateHandoff) {
+      if (dq_held) dq_hand_to_writer(wg);
+      dq_held = false;
+    }
+  };
   for (int pass = 0; pass < Tr::kPasses; ++pass) {
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
@@ -296,6 +305,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             wait_do(sub);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP_sub[sub]);
           }
+          hand_held_dq();
         }
         CUTLASS_PRAGMA_UNROLL
         for (int sub = 0; sub < Tr::kSubM; ++sub) {
@@ -308,6 +318,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
             wait_do(sub);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
+            if (sub == 0) hand_held_dq();
           }
           const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
           const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
@@ -371,6 +382,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
             warpgroup_fence_operand(tdQrdQ);
             dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg);
+            dq_held = Tr::kDQLateHandoff;
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
           }
@@ -384,6 +396,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         ++it;
       }
     }
+    hand_held_dq();
     warpgroup_wait<0>();  // unconditional: ptxas must see every GMMA retired before the epilogue
     if (Tr::kOverlapDK && it != it_pass) release((it + kStages - 1) % kStages);
     warpgroup_fence_operand(tdKrdK);
