@@ -44,9 +44,8 @@ def build_info() -> dict | None:
 
 def fwd_key_block(dtype, head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, left: int,
                   right: int) -> int | None:
-    """Keys per block of the forward tile that the kernel runs this problem on (no documents;
-    `left` / `right`: the band as `_masks.band` normalises it; the extension clamps it to the
-    kernels' range), as the launcher chooses it; None
+    """Keys per block of the forward tile the launcher picks for this problem (no documents;
+    `left` / `right`: the band as `_masks.band` normalises it, clamped by the extension); None
     without a build or a kernel. The FP8 numerics depend on it (P is rounded against each
     block's running max), so the FP8 oracle takes its blocks from here."""
     if _fa3_cuda is None:

@@ -80,13 +80,15 @@ CUTE_DEVICE void dq_hand_to_writer(int wg) {
 }
 
 // The main kernel's dQ of one step (query head h, query block m): to the dQ writer (kDQSmem), or
-// added by the consumers (in deterministic mode on the query block's turn).
+// added by the consumers (in deterministic mode on the query block's turn). kDQLateHandoff: the
+// tile is written but not handed over; dq_held says so, and the consumer hands it over later.
 template <class Tr, class Frag>
 CUTE_DEVICE void dq_step_out(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, Frag const& tdQrdQ, int b,
-                             int h, int m, int n_block, int ct, int wg, int t_in_wg) {
+                             int h, int m, int n_block, int ct, int wg, int t_in_wg, bool& dq_held) {
   if constexpr (Tr::kDQSmem) {
     dq_to_smem<Tr>(ss, tdQrdQ, wg, t_in_wg);
-    if constexpr (!Tr::kDQLateHandoff) dq_hand_to_writer(wg);  // else: the consumer, a step later
+    if constexpr (Tr::kDQLateHandoff) dq_held = true;
+    else dq_hand_to_writer(wg);
   } else {
     const int64_t acc_base = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(Tr::kBlockM * Tr::kHeadDim);
     int* sem = p.dq_sem + (int64_t(b) * p.heads_q + h) * p.m_blocks + m;

@@ -43,7 +43,11 @@ CUTE_DEVICE float shfl_idx_seg3(uint32_t mask, float v, int base) {
 template <class Tr>
 struct StatPairs {
   float2 lse[Tr::kBlockMSdP / 64], dpsum[Tr::kBlockMSdP / 64];
-  CUTE_DEVICE void load(float2 (&r)[Tr::kBlockMSdP / 64], const float* sm, int ct) {
+  CUTE_DEVICE void load_lse(const float* sm, int ct) { load(lse, sm, ct); }
+  CUTE_DEVICE void load_dpsum(const float* sm, int ct) { load(dpsum, sm, ct); }
+
+ private:
+  CUTE_DEVICE static void load(float2 (&r)[Tr::kBlockMSdP / 64], const float* sm, int ct) {
     CUTLASS_PRAGMA_UNROLL
     for (int c64 = 0; c64 < Tr::kBlockMSdP / 64; ++c64) r[c64] = *reinterpret_cast<const float2*>(sm + c64 * 64 + 2 * (ct % 32));
   }
@@ -284,13 +288,13 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         // kStatsEarly: the step's LSE read right after its barrier, D right after dO's, before the
         // GEMMs that would otherwise sit between these loads and their shuffles.
         StatPairs<Tr> early;
-        if constexpr (Tr::kStatsEarly) early.load(early.lse, ss.lse.data() + stage * kBlockM, ct);
+        if constexpr (Tr::kStatsEarly) early.load_lse(ss.lse.data() + stage * kBlockM, ct);
         // dO and D are waited for right before the first dP^T: S^T is issued first (ABBA:
         // +1.2% geomean, up to +3.3% at hd64 causal 8k).
         auto wait_do = [&](int sub) {
           if (sub == 0) {
             TxBar::wait(&ss.full_do[stage], phase);
-            if constexpr (Tr::kStatsEarly) early.load(early.dpsum, ss.dpsum.data() + stage * kBlockM, ct);
+            if constexpr (Tr::kStatsEarly) early.load_dpsum(ss.dpsum.data() + stage * kBlockM, ct);
           }
         };
 
@@ -326,8 +330,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           if constexpr (Tr::kStatsEarly) {
             sp = early;
           } else {
-            sp.load(sp.lse, lse, ct);
-            sp.load(sp.dpsum, dpsum, ct);
+            sp.load_lse(lse, ct);
+            sp.load_dpsum(dpsum, ct);
           }
           p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, sp, ct, need_mask[sub], q0, b,
                                sub == 0 && pending, tdKrdK, release, prev_stage);
@@ -381,8 +385,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
             warpgroup_fence_operand(tdQrdQ);
-            dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg);
-            dq_held = Tr::kDQLateHandoff;
+            dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
           }
@@ -440,10 +443,7 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
   // Everything a role needs is (re)computed after its setmaxnreg, so that no value lives across
   // the register reallocation (ptxas would spill it).
   if (threadIdx.x == 0) {
-    auto& ss = aligned_storage<typename Tr::SharedStorage, false>(smem_raw);
-    init_ring_barriers<Tr>(ss);
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
+    init_main_ring_barriers<Tr>(aligned_storage<typename Tr::SharedStorage, false>(smem_raw));
     cutlass::arch::fence_barrier_init();
     if constexpr (DKVStore<Tr>::kEnabled) {
       cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());

@@ -44,6 +44,14 @@ CUTE_DEVICE void init_ring_barriers(typename Tr::SharedStorage& ss) {
   }
 }
 
+// The main kernel's: those above and full_do[s] (dO + D of stage s; split-D has its own dO ring).
+template <class Tr>
+CUTE_DEVICE void init_main_ring_barriers(typename Tr::SharedStorage& ss) {
+  init_ring_barriers<Tr>(ss);
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
+}
+
 // The empty barriers of the Q/dO/LSE/D ring(s) complete when every consumer thread (kNumMmaThreads)
 // has arrived: each thread arrives for itself after its own last read of the stage, so its
 // reads of LSE and D are ordered before the producer's next bulk copy into the stage by a direct
