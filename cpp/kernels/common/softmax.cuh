@@ -60,46 +60,72 @@ struct OnlineSoftmax {
 
   // Exponentiates the (rows, cols) view `s` in place against the updated running max and writes
   // the factor by which the previous O rows must be multiplied into alpha[r]. kFirst: no history
-  // (alpha is not written).
+  // (alpha is not written). Row by row; update_max then update_exp do the same in two steps.
   template <bool kFirst, class TS>
   CUTE_DEVICE void update(TS& s, float (&alpha)[kRows]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      float const m_scaled = row_update_max<kFirst>(s, r, alpha);
+      row_update_exp<kFirst>(s, r, m_scaled);
+    }
+  }
+  template <bool kFirst, class TS>
+  CUTE_DEVICE void update_max(TS& s, float (&alpha)[kRows]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) row_update_max<kFirst>(s, r, alpha);
+  }
+  template <bool kFirst, class TS>
+  CUTE_DEVICE void update_exp(TS& s) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) row_update_exp<kFirst>(s, r, scaled_max(row_max[r]));
+  }
+
+  // Row r's new max, alpha[r] and its rescaled sum; returns the scaled max.
+  template <bool kFirst, class TS>
+  CUTE_DEVICE float row_update_max(TS& s, int r, float (&alpha)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     constexpr int kCols = decltype(size<1>(s))::value;
     // Row max over 4 independent chains (then combined): a single fmax chain is kCols deep
     // (44 at 176-wide blocks), and its latency sits right before the exp2s on the critical path
     // of the softmax, with only 2-3 consumer warps per scheduler to hide it.
     constexpr int kChains = kCols % 4 == 0 ? 4 : (kCols % 2 == 0 ? 2 : 1);
+    float mc[kChains];
     CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float mc[kChains];
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kChains; ++k) mc[k] = s(r, k);
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = kChains; c < kCols; ++c) mc[c % kChains] = fmaxf(mc[c % kChains], s(r, c));
-      float m = kFirst ? -INFINITY : row_max[r];
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kChains; ++k) m = fmaxf(m, mc[k]);
-      m = quad_max(m);
-      // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
-      float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-      if constexpr (!kFirst) {
-        // Exactly 1 when the max did not move (the caller then skips the O rescale; with the
-        // product fused into the subtraction the exponent would be a rounding residual, not 0);
-        // exp2(-inf) = 0 when the row had no key before.
-        alpha[r] = m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
-        row_sum[r] *= alpha[r];
-      }
-      row_max[r] = m;
-      float sum = kFirst ? 0.f : row_sum[r];
-      float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(s); ++c) {
-        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_exp));
-        sum += s(r, c);
-      }
-      row_sum[r] = sum;
+    for (int k = 0; k < kChains; ++k) mc[k] = s(r, k);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = kChains; c < kCols; ++c) mc[c % kChains] = fmaxf(mc[c % kChains], s(r, c));
+    float m = kFirst ? -INFINITY : row_max[r];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kChains; ++k) m = fmaxf(m, mc[k]);
+    m = quad_max(m);
+    float const m_scaled = scaled_max(m);
+    if constexpr (!kFirst) {
+      // Exactly 1 when the max did not move (the caller then skips the O rescale; with the
+      // product fused into the subtraction the exponent would be a rounding residual, not 0);
+      // exp2(-inf) = 0 when the row had no key before.
+      alpha[r] = m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_sum[r] *= alpha[r];
     }
+    row_max[r] = m;
+    return m_scaled;
   }
+
+  // Row r's P = exp2 of the scaled scores less its scaled max m_scaled (plus kMaxOffset), and
+  // its sum.
+  template <bool kFirst, class TS>
+  CUTE_DEVICE void row_update_exp(TS& s, int r, float m_scaled) {
+    float sum = kFirst ? 0.f : row_sum[r];
+    float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(s); ++c) {
+      s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_exp));
+      sum += s(r, c);
+    }
+    row_sum[r] = sum;
+  }
+
+  // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
+  CUTE_DEVICE float scaled_max(float m) const { return m == -INFINITY ? 0.f : m * scale_log2; }
 
   // Reduces the row sums over the quad; returns the factor that turns each row of O into the
   // output (1/l; 0 for rows with no visible key) and writes the natural-log LSE per row (-inf

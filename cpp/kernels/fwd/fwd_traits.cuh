@@ -11,6 +11,10 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
+#ifndef FA3_FP8_CONVERT_IN_SOFTMAX
+#define FA3_FP8_CONVERT_IN_SOFTMAX 0
+#endif
+
 namespace fa3 {
 
 // FP8 only: the transposed V ring (fwd_transpose.cuh), empty otherwise (a base class, so that it
@@ -53,6 +57,11 @@ struct FwdTraits {
   static constexpr bool kBanded = kBanded_;
   // Packed documents (Params::docs): only FwdDocsTraits below compiles them in.
   static constexpr bool kDocs = false;
+  // FP8: each block's P V wait, O rescale (unconditional) and P conversion end that block's
+  // softmax, in its basic block, so that ptxas can interleave the conversions with the
+  // exponentials, as in FA3's FP8 SASS (experiment FA3_FP8_CONVERT_IN_SOFTMAX, issue 28;
+  // fwd_consumer.cuh). Otherwise they open the next block's iteration (the rotated loop).
+  static constexpr bool kConvertInSoftmax = kFp8 && FA3_FP8_CONVERT_IN_SOFTMAX;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
