@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 
 #include "common/utils.cuh"
 
@@ -42,7 +43,28 @@ CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
   for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
 }
 
-template <int kRows, int kMaxOffset = 0>
+// 2^x on the FMA pipe instead of MUFU (the FA3_FP8_HD64_EXP2_EMU experiment: fwd_traits.cuh). x
+// is rounded to n by adding 1.5 * 2^23 + 127 (the sum's low mantissa bits then hold n + 127),
+// 2^(x - n) comes from a degree-3 polynomial on [-0.5, 0.5] (1 at 0, so integers give exact
+// powers of two; relative error <= 1.1e-4, tests/kernels/exp2_fma.cu) and 2^n is built as a
+// float from those bits. x <= -127 (a masked score's -inf too) gives exactly 0.
+CUTE_HOST_DEVICE float exp2_fma(float x) {
+  constexpr float kRound = 12582912.f + 127.f;
+  x = fmaxf(x, -127.f);
+  float const t = x + kRound;  // kRound + round(x), in [2^23, 2^24): the low bits are round(x) + 127
+  float const f = x - (t - kRound);
+  float const p = fmaf(f, fmaf(f, fmaf(f, 0.055008713f, 0.24221069f), 0.6932829f), 1.f);
+  uint32_t bits;
+  memcpy(&bits, &t, 4);
+  bits <<= 23;  // (round(x) + 127) << 23: 2^round(x), or 0 for round(x) = -127
+  float two_n;
+  memcpy(&two_n, &bits, 4);
+  return p * two_n;
+}
+
+// kEmuEvery > 0 (experiment FA3_FP8_HD64_EXP2_EMU): column c of each row with
+// c % kEmuEvery == kEmuEvery - 1 takes exp2_fma instead of MUFU's exp2.
+template <int kRows, int kMaxOffset = 0, int kEmuEvery = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums
@@ -118,7 +140,8 @@ struct OnlineSoftmax {
     float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < size<1>(s); ++c) {
-      s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_exp));
+      float const x = fmaf(s(r, c), scale_log2, -m_exp);
+      s(r, c) = (kEmuEvery > 0 && c % kEmuEvery == kEmuEvery - 1) ? exp2_fma(x) : exp2f(x);
       sum += s(r, c);
     }
     row_sum[r] = sum;

@@ -112,7 +112,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   constexpr int kRows = decltype(size<0>(S))::value;
   static_assert(kRows == 2);
 
-  OnlineSoftmax<kRows, T::kFp8 ? 8 : 0> softmax(p.scale.scale_log2);
+  OnlineSoftmax<kRows, T::kFp8 ? 8 : 0, T::kExp2EmuEvery> softmax(p.scale.scale_log2);
   FwdQConsumer<T> q{ss};
   typename T::PipelineState read;  // of both rings (fwd_pipeline.cuh); consumers start at phase 0
   bool const softcap = p.scale.softcap;

@@ -11,6 +11,9 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
+#ifndef FA3_FP8_HD64_EXP2_EMU
+#define FA3_FP8_HD64_EXP2_EMU 0
+#endif
 #ifndef FA3_FP8_CONVERT_IN_SOFTMAX
 #define FA3_FP8_CONVERT_IN_SOFTMAX 0
 #endif
@@ -62,6 +65,12 @@ struct FwdTraits {
   // exponentials, as in FA3's FP8 SASS (experiment FA3_FP8_CONVERT_IN_SOFTMAX, issue 28;
   // fwd_consumer.cuh). Otherwise they open the next block's iteration (the rotated loop).
   static constexpr bool kConvertInSoftmax = kFp8 && FA3_FP8_CONVERT_IN_SOFTMAX;
+  // FP8 hd64: every kExp2EmuEvery-th exponential of a softmax row on the FMA pipe (common/softmax.cuh,
+  // exp2_fma; 0: none), where MUFU binds: per SM sub-partition and 192 x 160 block, the three
+  // warps' exponentials take 1920 MUFU clocks against 960 of tensor work and ~1320 issue slots
+  // (experiment FA3_FP8_HD64_EXP2_EMU, issue 28; on the earlier 128 x 128 tile every 8th gained
+  // 7-14% non-causal).
+  static constexpr int kExp2EmuEvery = kFp8 && kHeadDim == 64 ? FA3_FP8_HD64_EXP2_EMU : 0;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
