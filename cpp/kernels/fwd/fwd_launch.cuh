@@ -64,14 +64,26 @@ struct FwdTileTable<E, 96> {
 // the deeper ring (2 would fit 160 KB) gave short causal +4..+5% as for d = 64. The 128 x 176
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
 // lost at short causal (up to -13%).
+// Experiment (issue 29, A/B pending): the narrow tile (non-causal 512-4k keys) on its own kernel,
+// 128 x 128 with 2 stages, unbanded: two Q buffers then fit (2 x 32 + 2 x 2 x 32 = 192 KB), so
+// the producer loads the next tile's Q a tile ahead, as for hd64 banded (+12.8% at causal 512);
+// FA3 leads our non-causal 512 / 1k by 2.4%.
+#ifndef FA3_FWD_HD128_NARROW_QPREFETCH
+#define FA3_FWD_HD128_NARROW_QPREFETCH 0
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
+#if FA3_FWD_HD128_NARROW_QPREFETCH
+  using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
+  static_assert(narrow::kQPrefetch);
+#else
   // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow) run the
   // banded tile, which needs no band (block_is_interior then holds for every block but a ragged
   // last one, whose mask keeps only the seqlen_k bound). No extra kernel.
   using narrow = banded;
+#endif
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
