@@ -51,6 +51,11 @@ def test_wait_after_the_max(tmp_path, capsys):
     assert mix["FFMA"] == mix["MUFU"] == mix["QGMMA"] == "2" and mix["F2FP"] == "1" and mix["WARPGROUP"] == "2"
 
 
+def test_wait_between_the_max_and_the_exponentials(tmp_path, capsys):
+    out = _summary(tmp_path, GEMMS + MAX + WAIT + EXPS + CONVERT, capsys)  # FA3's bf16 loop
+    assert "softmax waits for P V after the row max, before the exponentials" in out
+
+
 def test_wait_before_the_max(tmp_path, capsys):
     out = _summary(tmp_path, GEMMS + WAIT + MAX + EXPS + CONVERT, capsys)
     assert "softmax waits for P V (no overlap)" in out

@@ -62,6 +62,8 @@ def main(path, mix=False, match=""):
             before = len(ex2) if wait is None else sum(k < wait for k in ex2)
             if before == len(ex2):
                 how = "overlaps P V"
+            elif before == 0 and any("FMNMX" in t for t in body[last_mma:wait]):
+                how = "waits for P V after the row max, before the exponentials"
             elif before == 0:
                 how = "waits for P V (no overlap)"
             else:
