@@ -184,6 +184,16 @@ CUTE_DEVICE float sink_log2(float const* sinks, int head) {
   return sinks == nullptr ? -INFINITY : sinks[head] * kLog2e;
 }
 
+// Whether some row max of this warp moved in the last update (alpha == 1 exactly otherwise: exp2
+// of an exact 0); only then does O need its rescale, which after the first blocks is rare.
+template <int kRows>
+CUTE_DEVICE bool warp_row_max_moved(float const (&alpha)[kRows]) {
+  bool same_max = true;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
+  return !__all_sync(0xffffffffu, same_max);
+}
+
 // Multiplies each row r of a (rows, cols) view by f[r].
 template <int kRows, class TO>
 CUTE_DEVICE void scale_rows(TO& o, float const (&f)[kRows]) {

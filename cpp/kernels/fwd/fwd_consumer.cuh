@@ -190,12 +190,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         warpgroup_fence_operand(tOrO);
         warpgroup_fence_operand(tOrP);
         if (pv_pending) pipe_v.consumer_release(read_v);
-        // Rescale O only when some row max of this warp moved (alpha == 1 exactly otherwise:
-        // exp2 of an exact 0), which after the first blocks is rare: saves d/2 FMULs per block.
-        bool same_max = true;
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
-        if (!__all_sync(0xffffffffu, same_max)) scale_rows(O, alpha);
+        if (warp_row_max_moved(alpha)) scale_rows(O, alpha);  // saves d/2 FMULs on most blocks
         if constexpr (T::kFp8) convert_into_fp8_operand_a(tSrS, tOrP);
         else convert_into(tSrS, tOrP);
       };
@@ -225,10 +220,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         if (!tile_mask.interior(n)) tile_mask.apply(n, S, cS);
         if constexpr (T::kConvertInSoftmax) {
           softmax.template update_max<false>(S, alpha);
-          bool same_max = true;
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kRows; ++r) same_max = same_max && alpha[r] == 1.f;
-          if (!__all_sync(0xffffffffu, same_max)) {
+          if (warp_row_max_moved(alpha)) {
             warpgroup_wait<0>();
             warpgroup_fence_operand(tOrO);
             scale_rows(O, alpha);

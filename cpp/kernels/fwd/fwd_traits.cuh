@@ -60,10 +60,10 @@ struct FwdTraits {
   static constexpr bool kBanded = kBanded_;
   // Packed documents (Params::docs): only FwdDocsTraits below compiles them in.
   static constexpr bool kDocs = false;
-  // FP8: each block's P V wait, O rescale (unconditional) and P conversion end that block's
-  // softmax, in its basic block, so that ptxas can interleave the conversions with the
-  // exponentials, as in FA3's FP8 SASS (experiment FA3_FP8_CONVERT_IN_SOFTMAX, issue 28;
-  // fwd_consumer.cuh). Otherwise they open the next block's iteration (the rotated loop).
+  // FP8: each block's P V wait, O rescale and P conversion end that block's softmax (the wait
+  // after the row max, the conversions among the exponentials), as in FA3's FP8 SASS (experiment
+  // FA3_FP8_CONVERT_IN_SOFTMAX, issue 28; fwd_consumer.cuh). Otherwise they open the next
+  // block's iteration (the rotated loop).
   static constexpr bool kConvertInSoftmax = kFp8 && FA3_FP8_CONVERT_IN_SOFTMAX;
   // FP8 hd64: every kExp2EmuEvery-th exponential of a softmax row on the FMA pipe (common/softmax.cuh,
   // exp2_fma; 0: none), where MUFU binds: per SM sub-partition and 192 x 160 block, the three
