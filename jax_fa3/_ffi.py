@@ -32,30 +32,27 @@ def is_built() -> bool:
 
 
 def build_info() -> dict | None:
-    """What the extension holds: compiled `(dtype, head_dim)` per direction, the forward tile
-    tables' key blocks `(dtype, head_dim, full, banded)`, CUDA and CUTLASS versions, arch. None
-    when it was not built."""
+    """What the extension holds: compiled `(dtype, head_dim)` per direction, CUDA and CUTLASS
+    versions, arch. None when it was not built."""
     if _fa3_cuda is None:
         return None
     info = dict(_fa3_cuda.build_info())
     info["fwd"] = [tuple(c) for c in info["fwd"]]
     info["bwd"] = [tuple(c) for c in info["bwd"]]
-    info["fwd_key_blocks"] = [tuple(c) for c in info["fwd_key_blocks"]]
     return info
 
 
-def fwd_table_key_block(dtype, kernel_head_dim: int, banded: bool) -> int | None:
-    """Keys per block of the forward tile table's `full` (no band) or `banded` tile at this
-    compiled head dim (`kernel_head_dim`), or None without a build or kernel. Exact for FP8,
-    whose numerics depend on it (P is rounded against each block's running max); bf16 / fp16
-    also run narrower and long-band tiles."""
+def fwd_key_block(dtype, head_dim: int, head_dim_v: int, seqlen_q: int, seqlen_k: int, left: int,
+                  right: int) -> int | None:
+    """Keys per block of the forward tile the launcher picks for this problem (no documents;
+    `left` / `right`: the band as `_masks.band` normalises it, clamped by the extension); None
+    without a build or a kernel. The FP8 numerics depend on it (P is rounded against each
+    block's running max), so the FP8 oracle takes its blocks from here."""
     if _fa3_cuda is None:
         return None
-    name = jax.numpy.dtype(dtype).name
-    for n, d, full, band in build_info()["fwd_key_blocks"]:
-        if n == name and d == kernel_head_dim:
-            return band if banded else full
-    return None
+    n = _fa3_cuda.fwd_key_block(jax.numpy.dtype(dtype).name, head_dim, head_dim_v, seqlen_q, seqlen_k,
+                                int(left), int(right))
+    return n or None
 
 
 @functools.lru_cache(maxsize=None)

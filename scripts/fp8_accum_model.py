@@ -37,10 +37,11 @@ from test_fp8 import _dequant, _weight, fp8_bound  # noqa: E402
 
 # The model runs without the extension: the head dims here are the kernels', and the key blocks
 # those of the FP8 tile table as landed (cpp/kernels/fwd/fwd_launch.cuh; a build reports its own
-# through jax_fa3._ffi.fwd_table_key_block).
-KEY_BLOCKS = {"full": {64: 128, 128: 192, 256: 64}, "banded": {64: 128, 128: 128, 256: 64}}
+# through jax_fa3._ffi.fwd_key_block). Its shapes stay below the long bands (4096).
+KEY_BLOCKS = {"full": {64: 160, 128: 192, 256: 64}, "banded": {64: 128, 128: 128, 256: 64}}
 T._ffi.kernel_head_dim = lambda direction, dtype, d, dv: d
-T._ffi.fwd_table_key_block = lambda dtype, d, banded: KEY_BLOCKS["banded" if banded else "full"][d]
+T._ffi.fwd_key_block = lambda dtype, d, dv, sq, sk, left, right: KEY_BLOCKS[
+    "banded" if min(left, right) < sq + sk else "full"][d]
 F32 = np.float32
 
 

@@ -33,7 +33,9 @@ def _num(text: str) -> float:
 def read(path: str):
     """(header index, instruction rows) of the source page's CSV (the first kernel in it)."""
     rows = list(csv.reader(open(path, newline="")))
-    start = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
+    start = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+    if start is None:  # e.g. ncu matched no kernel (its log then says "No kernels were profiled")
+        raise SystemExit(f"{path}: no source page (no 'Address' header row): was any kernel profiled?")
     header = {name: i for i, name in enumerate(rows[start])}
     body = []
     for r in rows[start + 1:]:
@@ -55,12 +57,21 @@ def summary(header, body, top: int = 30, context: int = 6) -> str:
     sums = {s: sum(_num(r[header[s]]) for r in body) for s in stalls}
     for s, v in sorted(sums.items(), key=lambda kv: -kv[1])[:12]:
         out.append(f"{s:28s} {v:10.0f}  {v / total:6.1%}")
+    # Samples that no stall_* column of this CSV names (a reason the source page does not break
+    # out, e.g. waits on the tensor pipe): shown, so that a hot instruction's listed reasons are
+    # not taken for all of its samples.
+    other = total - sum(sums.values())
+    if other > 0.01 * total:
+        out.append(f"{'(in no stall_* column)':28s} {other:10.0f}  {other / total:6.1%}")
     out += ["", f"## the {top} instructions with the most samples (and what precedes them)"]
     hot = sorted(range(len(body)), key=lambda i: -_num(body[i][header[SAMPLES]]))[:top]
     for i in sorted(hot):
         r = body[i]
-        why = sorted(((_num(r[header[s]]), s) for s in stalls), reverse=True)[:2]
-        reasons = ", ".join(f"{s[6:]} {v:.0f}" for v, s in why if v)
+        why = sorted(((_num(r[header[s]]), s) for s in stalls), reverse=True)
+        reasons = ", ".join(f"{s[6:]} {v:.0f}" for v, s in why[:2] if v)
+        unnamed = _num(r[header[SAMPLES]]) - sum(v for v, _ in why)
+        if unnamed > 0.5 * _num(r[header[SAMPLES]]):
+            reasons += f"; {unnamed:.0f} in no stall_* column"
         out.append(f"-- #{i} {r[0]}  {_num(r[header[SAMPLES]]):.0f} samples ({reasons})")
         for j in range(max(0, i - context), i + 1):
             q = body[j]

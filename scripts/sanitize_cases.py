@@ -124,14 +124,18 @@ FP8 = "float8_e4m3fn"
 def fp8_cases_for(d: int) -> list[Case]:
     """Forward-only FP8 calls on the FP8 kernel of head dim d (64, 128, 256): both tiles, the
     options the FP8 forward branches on, ragged lengths, rows without keys."""
-    return [
+    c = [
         Case("fp8-full", FP8, d, 2, 200, 513, 4, 2),
+        Case("fp8-full-512", FP8, d, 1, 130, 512, 2, 2),  # a table's narrow unbanded tile, where it has one
         Case("fp8-causal", FP8, d, 1, 777, 777, 4, 2, causal=True),
         Case("fp8-causal-sq>sk", FP8, d, 1, 300, 129, 2, 1, causal=True),  # rows without keys
         Case("fp8-window-softcap", FP8, d, 2, 300, 700, 6, 3, window=(100, 20), softcap=5.0),
         Case("fp8-seqlen-1", FP8, d, 2, 1, 17, 2, 2),
         Case("fp8-value-dim", FP8, d, 1, 130, 300, 2, 1, dv=d // 2),
     ]
+    if d == 128:  # the 192-key banded tile for long bands (FwdTileTable<Fp8, 128>::long_banded)
+        c.append(Case("fp8-long-band", FP8, d, 1, 4100, 4100, 1, 1, causal=True))
+    return c
 
 
 def compiled_cases(which: str) -> list[Case]:

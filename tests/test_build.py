@@ -4,11 +4,13 @@ checked everywhere."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_fa3 import _ffi
+from jax_fa3 import _ffi, _masks
 
 built = pytest.mark.skipif(not _ffi.is_built(),
                            reason=f"CUDA extension not built: {_ffi._IMPORT_ERROR}")
@@ -48,18 +50,26 @@ def test_build_info_lists_sane_instantiations():
 
 
 @built
-def test_build_info_key_blocks_cover_the_forward_kernels():
-    """One (dtype, head_dim, full, banded) entry per compiled forward kernel, with key blocks a
-    WGMMA takes (multiples of 16 up to 256; FP8's P V steps K by 32), as fwd_table_key_block
-    reports them."""
-    info = _ffi.build_info()
-    assert [(n, d) for n, d, _, _ in info["fwd_key_blocks"]] == info["fwd"]
-    for name, head_dim, full, banded in info["fwd_key_blocks"]:
-        for n in (full, banded):
-            assert 16 <= n <= 256 and n % (32 if name == "float8_e4m3fn" else 16) == 0, (name, head_dim, n)
-        assert _ffi.fwd_table_key_block(name, head_dim, banded=False) == full
-        assert _ffi.fwd_table_key_block(name, head_dim, banded=True) == banded
-    assert _ffi.fwd_table_key_block("bfloat16", 100, banded=False) is None  # no such kernel
+def test_fwd_key_block_of_every_forward_kernel():
+    """fwd_key_block reports the key block of the tile the launcher picks, for every compiled
+    forward kernel and the problems that pick different tiles: a key block a WGMMA takes
+    (multiples of 16 up to 256; FP8's P V steps K by 32). FP8 hd128 runs long bands on its
+    unbanded 192-key block, shorter bands on 128 keys; a head dim no kernel holds gives None."""
+    U = _masks.UNBOUNDED
+    problems = [(512, 512, U, U), (8192, 8192, U, U), (1000, 1000, U, 0), (4100, 4100, U, 0),
+                (300, 700, 100, 20)]
+    for name, head_dim in _ffi.build_info()["fwd"]:
+        for sq, sk, left, right in problems:
+            n = _ffi.fwd_key_block(name, head_dim, head_dim, sq, sk, left, right)
+            assert n is not None and 16 <= n <= 256, (name, head_dim, sq, sk, left, right, n)
+            assert n % (32 if name == "float8_e4m3fn" else 16) == 0, (name, head_dim, n)
+    if ("float8_e4m3fn", 128) in _ffi.build_info()["fwd"]:
+        block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 128, 128)
+        assert block(4100, 4100, U, 0) == block(4100, 4100, U, U) == 192
+        assert block(4100, 4100, 4200, 30) == 192  # a window of 4231 keys
+        assert block(4100, 4100, 1 << 40, 0) == 192  # bounds past the kernels' range are clamped
+        assert block(4000, 4000, U, 0) == block(4100, 4100, 1000, 0) == 128
+    assert _ffi.fwd_key_block("bfloat16", 264, 264, 128, 128, U, U) is None  # no such kernel
 
 
 @built
@@ -102,21 +112,23 @@ def test_extension_present_when_expected():
     assert _ffi.is_built(), f"the CUDA extension was expected but did not import: {_ffi._IMPORT_ERROR}"
 
 
-def test_fwd_table_key_block_reads_the_build(monkeypatch):
-    """fwd_table_key_block looks the (dtype, head dim) up in build_info's fwd_key_blocks (here a
-    stand-in extension, so it runs without a build), and is None without a build."""
+def test_fwd_key_block_asks_the_build(monkeypatch):
+    """fwd_key_block passes the dtype's name, the sizes and the band to the extension (here a
+    stand-in, so it runs without a build); 0 from it and no build give None."""
     import jax.numpy as jnp
+
+    seen = []
 
     class Extension:
         @staticmethod
-        def build_info():
-            return {"fwd": [("float8_e4m3fn", 128)], "bwd": [], "arch": "sm_90a",
-                    "fwd_key_blocks": [("float8_e4m3fn", 128, 224, 128)]}
+        def fwd_key_block(*args):
+            seen.append(args)
+            return 0 if args[1] > 256 else 160
 
     monkeypatch.setattr(_ffi, "_fa3_cuda", Extension)
-    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 128, banded=False) == 224
-    assert _ffi.fwd_table_key_block("float8_e4m3fn", 128, banded=True) == 128
-    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 256, banded=False) is None
-    assert _ffi.fwd_table_key_block(jnp.bfloat16, 128, banded=False) is None
+    assert _ffi.fwd_key_block(jnp.float8_e4m3fn, 64, 64, 300, 400, 1 << 40, 0) == 160
+    assert seen[-1] == ("float8_e4m3fn", 64, 64, 300, 400, 1 << 40, 0)
+    assert _ffi.fwd_key_block(jnp.bfloat16, 264, 264, 1, 1, 0, -(1 << 40)) is None
+    assert seen[-1] == ("bfloat16", 264, 264, 1, 1, 0, -(1 << 40))
     monkeypatch.setattr(_ffi, "_fa3_cuda", None)
-    assert _ffi.fwd_table_key_block(jnp.float8_e4m3fn, 128, banded=False) is None
+    assert _ffi.fwd_key_block(jnp.float8_e4m3fn, 64, 64, 300, 400, 0, 0) is None

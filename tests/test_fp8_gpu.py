@@ -76,12 +76,9 @@ def _oracle(q8, qd, k8, kd, v8, vd, *, out_dtype=BF16, causal=False, window_size
             softcap=0.0, softmax_scale=None):
     d, dv = q8.shape[3], v8.shape[3]
     left, right = _masks.band(causal, window_size)
-    # The kernel's choice (cpp/include/fa3/params.h, band_limits_work): the banded tile when the
-    # band cuts into seqlen_q + seqlen_k keys on either side.
-    reach = q8.shape[1] + k8.shape[1]
-    # The oracle runs on the kernel's key blocks: the FP8 tile table's (cpp/kernels/fwd/fwd_launch.cuh),
-    # as this build compiled it (an experiment's switch may change it).
-    block_n = _ffi.fwd_table_key_block(F8, _ffi.kernel_head_dim("fwd", F8, d, dv), banded=min(left, right) < reach)
+    # The oracle runs on the kernel's key blocks: those of the tile the launcher picks for this
+    # problem (cpp/kernels/fwd/fwd_launch.cuh, with_fwd_tile), as this build compiled it.
+    block_n = _ffi.fwd_key_block(F8, d, dv, q8.shape[1], k8.shape[1], left, right)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     return jax.device_get(portable_fp8.forward(
         q8, k8, v8, (qd, kd, vd), softmax_scale=scale, softcap=softcap, left=left, right=right,
@@ -159,6 +156,9 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("scale", (1, 64, 200, 2, 2, 128, 128), "head", dict(softmax_scale=0.02)),
     ("fp16 out", (1, 129, 129, 2, 1, 128, 128), "head", dict(out_dtype=F16)),
     ("batch 3 head 96 -> 128", (3, 65, 77, 2, 1, 96, 96), "head", dict(causal=True)),
+    # Bands of at least 4096 rows and keys: hd128's long-band tile (192 keys, band mask).
+    ("long band causal", (1, 4097, 4097, 2, 1, 128, 128), "head", dict(causal=True)),
+    ("long band window", (1, 4500, 4300, 2, 1, 128, 128), "head", dict(window_size=(4200, 30))),
 ]
 
 

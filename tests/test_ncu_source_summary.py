@@ -22,6 +22,7 @@ ROWS = [  # address, source, samples, executed, barrier, long_sb, wait
     ("0x40", "MUFU.EX2 R4, R4", 40, 1000, 0, 0, 40),
     ("0x50", "BAR.SYNC.DEFER_BLOCKING 0x9, 0x100", 5, 1000, 5, 0, 0),
     ("0x60", "UMOV UR15, 0x40000040", 300, 1000, 290, 0, 10),
+    ("0x68", "HGMMA.64x128x16.F32.BF16 R88, R228, gdesc[UR16], R88", 200, 1000, 0, 0, 20),
     ("0x70", "EXIT", 1, 1, 0, 0, 1),
 ]
 
@@ -41,13 +42,28 @@ def test_summary_names_the_stalls_and_the_loop(tmp_path):
     header, body = summary_mod.read(str(path))
     assert len(body) == len(ROWS)
     text = summary_mod.summary(header, body, top=2, context=1)
-    assert text.startswith("7 instructions, 859 stall samples")
+    assert text.startswith("8 instructions, 1059 stall samples")
     reasons = text.split("## stall reasons")[1].split("##")[0].split()
     assert reasons[:2] == ["stall_long_sb", "495"] and "stall_barrier" in reasons
+    # 180 of the HGMMA's 200 samples are in no reason column: said, overall and for it.
+    assert "(in no stall_* column)              180   17.0%" in text
     # The two hottest, each after the instruction before it.
     assert "-- #2 0x30  500 samples (long_sb 495, wait 5)" in text
     assert "-- #5 0x60  300 samples (barrier 290, wait 10)" in text
     assert text.index("BAR.SYNC") < text.index("UMOV UR15")
-    # The loop: the five instructions executed 1000 times each.
-    assert "hottest loop: 5 instructions executed 1000 times each" in text
-    assert "SYNCS 1, BRA 1, MUFU 1, BAR 1, UMOV 1" in text
+    # The loop: the six instructions executed 1000 times each.
+    assert "hottest loop: 6 instructions executed 1000 times each" in text
+    assert "SYNCS 1, BRA 1, MUFU 1, BAR 1, UMOV 1, HGMMA 1" in text
+    text3 = summary_mod.summary(header, body, top=3, context=0)
+    assert "-- #6 0x68  200 samples (wait 20; 180 in no stall_* column)" in text3
+
+
+def test_no_source_page_is_a_clear_error(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("==WARNING== No kernels were profiled.\n")
+    try:
+        summary_mod.read(str(path))
+    except SystemExit as e:
+        assert "was any kernel profiled" in str(e)
+    else:
+        raise AssertionError("no error for a CSV without a source page")

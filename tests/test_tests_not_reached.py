@@ -30,12 +30,20 @@ def test_a_cut_shard_names_its_unreported_tests(tmp_path):
     assert not_reached_mod.not_reached(tmp_path, 3) == ["tests/b.py::test_z[8-256]", "tests/b.py::test_w"]
 
 
+def test_node_ids_with_spaces_count_as_reported(tmp_path):
+    (tmp_path / "shard_0.ids").write_text("tests/f.py::test_options[long band causal]\n"
+                                          "tests/f.py::test_options[empty rows]\n")
+    (tmp_path / "shard_0.log").write_text("tests/f.py::test_options[long band causal] PASSED     [ 50%]\n"
+                                          "tests/f.py::test_options[empty rows] ")
+    assert not_reached_mod.not_reached(tmp_path, 1) == ["tests/f.py::test_options[empty rows]"]
+
+
 def test_conftest_writes_the_shard_list(tmp_path):
     """A sharded pytest run writes its selected node ids, those of its shard only."""
     ids = tmp_path / "ids"
-    env = dict(os.environ, FA3_TEST_SHARD="1/2", FA3_TEST_SHARD_LIST=str(ids))
+    env = dict(os.environ, FA3_TEST_SHARD="2/3", FA3_TEST_SHARD_LIST=str(ids))
     target = "tests/test_tests_not_reached.py::test_a_cut_shard_names_its_unreported_tests"
-    # Two tests of this file; shard 1 of 2 keeps the second, which --co does not run.
+    # Three tests of this file; shard 2 of 3 keeps the third, which --co does not run.
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
                           "tests/test_tests_not_reached.py"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr

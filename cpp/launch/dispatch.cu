@@ -51,12 +51,13 @@ int bwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v) {
   return smallest_compiled(bwd_compiled, dtype, head_dim, head_dim_v);
 }
 
-int fwd_table_key_block(DType dtype, int head_dim, bool banded) {
+int fwd_key_block(const FwdParams& p) {
+  const int d = fwd_kernel_head_dim(p.dtype, p.shape.head_dim, p.shape.head_dim_v);
 #undef FA3_BWD_CONFIG
 #define FA3_BWD_CONFIG(Element, kDType, kHeadDim)
 #undef FA3_FWD_CONFIG
 #define FA3_FWD_CONFIG(Element, kDType, kHeadDim) \
-  if (dtype == DType::kDType && head_dim == kHeadDim) return fwd_table_key_block_impl<Element, kHeadDim>(banded);
+  if (p.dtype == DType::kDType && d == kHeadDim) return fwd_key_block_impl<Element, kHeadDim>(p);
 #include "fa3_configs.inc"
   return 0;
 }

@@ -1,7 +1,11 @@
 """Per-kernel summary of a cuobjdump -sass listing: HGMMA / QGMMA (FP8) counts, local-memory instructions
 (LDL/STL: spills), the highest register used, and the order of WGMMA waits against the softmax
 exponentials in each loop (a wait of P V before the exp2s means no intra-warpgroup overlap).
-Usage: python3 sass_summary.py file.sass"""
+Usage: python3 sass_summary.py file.sass [--mix] [--match SUBSTRING]
+--mix adds each loop's instruction mix (opcodes without modifiers, most frequent first; the static
+body, so branches taken only on some blocks, e.g. softcap or the mask, count too); --match keeps
+the kernels whose mangled name contains SUBSTRING (e.g. the tile, "Li192ELi2E")."""
+import collections
 import re
 import sys
 from pathlib import Path
@@ -19,9 +23,16 @@ def short(name):
         f", banded={m.group(8)}>" if m.group(8) else ">")
 
 
-def main(path):
+def opcode(text):
+    """The opcode without predicate and modifiers: "@!P0 MUFU.EX2 R1, R2" -> "MUFU"."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0].split(".")[0]
+
+
+def main(path, mix=False, match=""):
     funcs = sass.functions(path)
     for f, ins in funcs.items():
+        if match not in f:
+            continue
         text = [i for _, i in ins]
         hg = sum("HGMMA" in t for t in text)
         qg = sum("QGMMA" in t for t in text)
@@ -46,9 +57,22 @@ def main(path):
             ex2 = [k for k, s in enumerate(body) if "MUFU.EX2" in s and k > last_mma]
             if not ex2:
                 continue
-            blocked = any("DEPBAR.LE gsb0, 0x0" in s for s in body[last_mma:ex2[0]])
-            loops.append(f"[{lo:#x}-{hi:#x}]: {len(body)} instructions, {len(ex2)} exp2, softmax "
-                         + ("waits for P V (no overlap)" if blocked else "overlaps P V"))
+            # The first wait for every WGMMA after the GEMMs' issue: how many exp2 precede it.
+            wait = next((k for k in range(last_mma, len(body)) if "DEPBAR.LE gsb0, 0x0" in body[k]), None)
+            before = len(ex2) if wait is None else sum(k < wait for k in ex2)
+            if before == len(ex2):
+                how = "overlaps P V"
+            elif before == 0 and any("FMNMX" in t for t in body[last_mma:wait]):
+                how = "waits for P V after the row max, before the exponentials"
+            elif before == 0:
+                how = "waits for P V (no overlap)"
+            else:
+                how = f"waits for P V after {before} of them (the max overlaps it, the rest does not)"
+            line = f"[{lo:#x}-{hi:#x}]: {len(body)} instructions, {len(ex2)} exp2, softmax {how}"
+            if mix:
+                counts = collections.Counter(opcode(t) for t in body)
+                line += "\n      " + ", ".join(f"{op} {n}" for op, n in counts.most_common(16))
+            loops.append(line)
         print(f"{short(f)}: HGMMA={hg}" + (f" QGMMA={qg}" if qg else "") +
               f" LDL/STL={local} maxreg=R{max(regs) if regs else 0}")
         for l in loops:
@@ -56,4 +80,6 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    match = args[args.index("--match") + 1] if "--match" in args else ""
+    main(args[0], mix="--mix" in args, match=match)

@@ -22,12 +22,11 @@ bool bwd_compiled(DType dtype, int head_dim);
 int fwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v);
 int bwd_kernel_head_dim(DType dtype, int head_dim, int head_dim_v);
 
-// Keys per block (kBlockN) of the forward tile table's `full` (problems without a band) or
-// `banded` tile at a compiled (dtype, head_dim); 0 when not compiled. Exact for FP8, whose tables
-// have only these two; bf16 / fp16 also run narrow and long-band tiles (fwd_launch.cuh). The FP8
+// Keys per block (kBlockN) of the forward tile that run_fwd launches for these params (their
+// dtype, shape, options and documents; no pointer is read); 0 when no kernel runs them. The FP8
 // numerics depend on the key blocks (P is rounded against each block's running max): the GPU
 // tests' oracle takes them from here.
-int fwd_table_key_block(DType dtype, int head_dim, bool banded);
+int fwd_key_block(const FwdParams& params);
 
 // Bytes of workspace the forward needs for these params (a tile counter for the dynamic
 // schedule, or 0), at most kFwdWorkspaceBytes; the caller provides it as params.workspace.
@@ -47,7 +46,7 @@ cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 size_t fwd_workspace_bytes_impl(const FwdParams& params);
 template <typename Element, int kHeadDim>
-int fwd_table_key_block_impl(bool banded);
+int fwd_key_block_impl(const FwdParams& params);
 template <typename Element, int kHeadDim>
 cudaError_t run_fwd_impl(const FwdParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>

@@ -2,7 +2,7 @@
 // added in fp32 into the accumulator (b, hq, m_blocks, chunk, warpgroup, fragment), in the
 // fragment order of the dQ WGMMA (bwd_postprocess converts it), either
 //   - by the dQ writer (kDQSmem: the main kernel at d <= 128): each consumer warpgroup hands its
-//     fragment over through a shared-memory tile (dq_to_writer), and one warp of the producer
+//     fragment over through a shared-memory tile (dq_to_smem, dq_hand_to_writer), and one warp of the producer
 //     warpgroup adds both tiles with bulk reduce-adds (dq_writer), or
 //   - by the consumers themselves (hd192, split-D hd256): float4 reductions (dq_add_fragment).
 // Deterministic mode: the key blocks of a query block add one after the other, in ascending
@@ -58,10 +58,10 @@ CUTE_DEVICE void publish_dq_turn(int* sem, int ct) {
   if (ct == 0) red_release_add(sem, 1);
 }
 
-// Consumer warpgroup wg's side of the dQ writer: hand the step's fragment over through the
-// warpgroup's shared-memory tile, once the writer has read the previous one.
+// Consumer warpgroup wg's side of the dQ writer: write the step's fragment into the warpgroup's
+// shared-memory tile, once the writer has read the previous one ...
 template <class Tr, class Frag>
-CUTE_DEVICE void dq_to_writer(typename Tr::SharedStorage& ss, Frag const& tdQrdQ, int wg, int t_in_wg) {
+CUTE_DEVICE void dq_to_smem(typename Tr::SharedStorage& ss, Frag const& tdQrdQ, int wg, int t_in_wg) {
   float4* dst = reinterpret_cast<float4*>(ss.dq.data() + wg * Tr::kDQWgFloats);
   // Barrier ids as immediates (a warp-uniform branch): no registers held for them.
   if (wg == 0) cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQEmpty0);
@@ -70,18 +70,25 @@ CUTE_DEVICE void dq_to_writer(typename Tr::SharedStorage& ss, Frag const& tdQrdQ
   for (int j = 0; j < Tr::kDQFrag / 4; ++j) {
     dst[j * 128 + t_in_wg] = make_float4(tdQrdQ(4 * j), tdQrdQ(4 * j + 1), tdQrdQ(4 * j + 2), tdQrdQ(4 * j + 3));
   }
+}
+
+// ... and hand it over (the fence waits for this thread's stores to land).
+CUTE_DEVICE void dq_hand_to_writer(int wg) {
   cutlass::arch::fence_view_async_shared();  // generic smem writes -> bulk copy
   if (wg == 0) cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0);
   else cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQFull0 + 1);
 }
 
 // The main kernel's dQ of one step (query head h, query block m): to the dQ writer (kDQSmem), or
-// added by the consumers (in deterministic mode on the query block's turn).
+// added by the consumers (in deterministic mode on the query block's turn). kDQLateHandoff: the
+// tile is written but not handed over; dq_held says so, and the consumer hands it over later.
 template <class Tr, class Frag>
 CUTE_DEVICE void dq_step_out(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, Frag const& tdQrdQ, int b,
-                             int h, int m, int n_block, int ct, int wg, int t_in_wg) {
+                             int h, int m, int n_block, int ct, int wg, int t_in_wg, bool& dq_held) {
   if constexpr (Tr::kDQSmem) {
-    dq_to_writer<Tr>(ss, tdQrdQ, wg, t_in_wg);
+    dq_to_smem<Tr>(ss, tdQrdQ, wg, t_in_wg);
+    if constexpr (Tr::kDQLateHandoff) dq_held = true;
+    else dq_hand_to_writer(wg);
   } else {
     const int64_t acc_base = ((int64_t(b) * p.heads_q + h) * p.m_blocks + m) * int64_t(Tr::kBlockM * Tr::kHeadDim);
     int* sem = p.dq_sem + (int64_t(b) * p.heads_q + h) * p.m_blocks + m;

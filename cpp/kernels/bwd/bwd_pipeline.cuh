@@ -5,9 +5,9 @@
 // Rings (mbarriers in SharedStorage; the producer's side is bwd_producer.cuh):
 //   kv_full        K and V of the CTA, once (TMA transaction bytes).
 //   full[s]/empty[s]  stage s of the Q/dO/LSE/D ring, kStages deep (split-D: Q/LSE only). full
-//                  completes on the stage's TMA bytes (kSplitQdO: Q/LSE only, dO/D on
-//                  full_do[s], do_full_barrier), empty once every consumer thread has
-//                  released the stage (release_stage).
+//                  completes on the TMA bytes of Q and LSE, full_do[s] (main kernel) on those of
+//                  dO and D, so that S^T is issued before dO lands; empty once every consumer
+//                  thread has released the stage (release_stage).
 //   do_full/do_empty  split-D only: its one-stage dO/D ring, released as soon as dV^T has read dO.
 // A step counter `it` carries the ring state: stage it % kStages, phase (it / kStages) & 1.
 // Named barriers: the two consumer warpgroups around the shared dS tile, the deterministic turn
@@ -41,16 +41,15 @@ CUTE_DEVICE void init_ring_barriers(typename Tr::SharedStorage& ss) {
   for (int s = 0; s < Tr::kStages; ++s) {
     TxBar::init(&ss.full[s], 1);
     ClusterBar::init(&ss.empty[s], Tr::kNumMmaThreads);  // release_stage: every consumer thread
-    if constexpr (Tr::kSplitQdO) TxBar::init(&ss.full_do[s], 1);
   }
 }
 
-// The barrier that dO and D of stage s complete on: full[s], with Q and LSE, or full_do[s]
-// (Tr::kSplitQdO, the experiment in bwd_traits.cuh).
+// The main kernel's: those above and full_do[s] (dO + D of stage s; split-D has its own dO ring).
 template <class Tr>
-CUTE_DEVICE uint64_t* do_full_barrier(typename Tr::SharedStorage& ss, int s) {
-  if constexpr (Tr::kSplitQdO) return &ss.full_do[s];
-  else return &ss.full[s];
+CUTE_DEVICE void init_main_ring_barriers(typename Tr::SharedStorage& ss) {
+  init_ring_barriers<Tr>(ss);
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
 }
 
 // The empty barriers of the Q/dO/LSE/D ring(s) complete when every consumer thread (kNumMmaThreads)

@@ -89,13 +89,9 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
       #pragma unroll 1
       for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
         ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-        uint64_t* const do_full = do_full_barrier<Tr>(ss, stage);  // full[stage] unless kSplitQdO
-        if constexpr (Tr::kSplitQdO) {
-          TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesQ + Loads::kBytesRow);
-          TxBar::arrive_and_expect_tx(do_full, Loads::kBytesQ + Loads::kBytesRow);
-        } else {
-          TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesStage);
-        }
+        uint64_t* const do_full = &ss.full_do[stage];  // dO + D; Q + LSE on full[stage]
+        TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesHalfStage);
+        TxBar::arrive_and_expect_tx(do_full, Loads::kBytesHalfStage);
         copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
         copy(p.tma_do.with(*do_full, 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, stage));
         SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
@@ -121,7 +117,6 @@ CUTE_DEVICE void load_kv_and_steps_split_d(MainParams<Tr> const& p, typename Tr:
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
-  constexpr uint32_t kBytesHalfStage = Loads::kBytesQ + Loads::kBytesRow;  // Q + LSE, or dO + D
   constexpr int kBlockM = Tr::kBlockM;
   load_kv(p, ss, n_block, hk, b);
   auto [tQsQ, tdOsdO] = qdo_ring_tiles<Tr, typename Tr::SmemLayoutdO>(p, ss);
@@ -137,12 +132,12 @@ CUTE_DEVICE void load_kv_and_steps_split_d(MainParams<Tr> const& p, typename Tr:
     #pragma unroll 1
     for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
       ClusterBar::wait(&ss.empty[stage], phase ^ 1);
-      TxBar::arrive_and_expect_tx(&ss.full[stage], kBytesHalfStage);
+      TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesHalfStage);
       copy(p.tma_q.with(ss.full[stage], 0, qdo_hint()), tQgQ(_, _, _, m), tQsQ(_, _, _, stage));
       SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
       if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
       ClusterBar::wait(&ss.do_empty, do_phase ^ 1);
-      TxBar::arrive_and_expect_tx(&ss.do_full, kBytesHalfStage);
+      TxBar::arrive_and_expect_tx(&ss.do_full, Loads::kBytesHalfStage);
       copy(p.tma_do.with(ss.do_full, 0, qdo_hint()), tdOgdO(_, _, _, m), tdOsdO(_, _, _, 0));
       SM90_BULK_COPY_G2S::copy(dpsum, &ss.do_full, ss.dpsum.data(), Loads::kBytesRow);
       do_phase ^= 1;

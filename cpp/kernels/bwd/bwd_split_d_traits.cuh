@@ -59,7 +59,6 @@ struct SplitDTraits {
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   using DQTileShape = Shape<Int<kBlockM>, Int<kHdChunk>>;  // one dQ chunk, (queries, columns)
   static constexpr bool kDQSmem = false;
-  static constexpr bool kSplitQdO = false;  // dO and D have a ring of their own here (do_full)
   // The consumers take their warpgroup index warp-uniform (WGMMA descriptors in uniform
   // registers, not per thread + R2UR; see BwdTraitsT::kUniformWg).
   static constexpr bool kUniformWg = true;

@@ -148,10 +148,14 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-// Experiment (issue 29, A/B pending; docs/kernels.md): a stage's Q + LSE and dO + D complete
-// on two barriers, so that S^T is issued before dO lands, as FA3 does.
-#ifndef FA3_BWD_SPLIT_QDO
-#define FA3_BWD_SPLIT_QDO 0
+// Experiment (issue 29, A/B pending; docs/kernels.md): LSE / D loaded before the GEMMs.
+#ifndef FA3_BWD_STATS_EARLY
+#define FA3_BWD_STATS_EARLY 0
+#endif
+// Experiment (issue 29, A/B pending; docs/kernels.md): the dQ tile handed to the writer after the
+// next step's S^T / dP^T issue.
+#ifndef FA3_BWD_DQ_LATE_HANDOFF
+#define FA3_BWD_DQ_LATE_HANDOFF 0
 #endif
 
 // Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
@@ -184,7 +188,6 @@ struct BwdTraitsT {
   // Issue every sub-step's S^T/dP^T at the top of the step (kSubM > 1, i.e. hd64; not with
   // softcap, which then spills 8 B): see bwd_main.cuh. +4..+11% at 4k-16k with kDQSplitM.
   static constexpr bool kSdPAhead = kSubM > 1 && !kSoftcap;
-  static constexpr bool kSplitQdO = FA3_BWD_SPLIT_QDO;  // SharedStorage::full_do
   // The per-column statistics (LSE, D) come through lane shuffles: kBlockMSdP/32 registers per
   // statistic instead of up to kBlockMSdP/4 hoisted smem loads (hd128: 20 B of spills -> 0).
   // kShflSegLane: with an immediate source-lane base (shfl_idx_seg3), which ptxas deduplicates
@@ -194,6 +197,14 @@ struct BwdTraitsT {
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
   static constexpr bool kStatsLds = !kSoftcap && kHeadDim < 128 && kDQSmem;
+  // kStatsEarly (experiment FA3_BWD_STATS_EARLY, issue 29): the shuffled tiles with one sub-step
+  // per step load LSE / D right after their barriers, before the S^T / dP^T issue (ncu, hd128
+  // causal 8k: 10% of the stall samples on the LDS -> SHFL -> FFMA chain issued after the GEMMs).
+  static constexpr bool kStatsEarly = FA3_BWD_STATS_EARLY && !kStatsLds && kSubM == 1;
+  // kDQLateHandoff (experiment FA3_BWD_DQ_LATE_HANDOFF, issue 29): the smem-dQ tiles fence and
+  // arrive on DQFull after the next step's S^T / dP^T issue, not right after the dQ stores (ncu,
+  // hd128 causal 8k: 8.6% of the stall samples on that fence and arrive, waiting for the stores).
+  static constexpr bool kDQLateHandoff = FA3_BWD_DQ_LATE_HANDOFF && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less
@@ -290,9 +301,7 @@ struct BwdTraitsT {
     uint64_t kv_full;
     uint64_t full[kStages];
     uint64_t empty[kStages];
-#if FA3_BWD_SPLIT_QDO
-    uint64_t full_do[kStages];  // kSplitQdO: dO + D of stage s (full[s]: Q + LSE)
-#endif
+    uint64_t full_do[kStages];  // dO + D of stage s (full[s]: Q + LSE)
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;
@@ -320,7 +329,7 @@ struct BwdLoads {
   static constexpr uint32_t kBytesQ = Tr::kBlockM * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = Tr::kBlockN * Tr::kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRow = Tr::kBlockM * sizeof(float);  // LSE or D of one query block
-  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
+  static constexpr uint32_t kBytesHalfStage = kBytesQ + kBytesRow;  // Q + LSE, or dO + D
 };
 
 }  // namespace bwd

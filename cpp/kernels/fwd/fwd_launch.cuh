@@ -64,14 +64,37 @@ struct FwdTileTable<E, 96> {
 // the deeper ring (2 would fit 160 KB) gave short causal +4..+5% as for d = 64. The 128 x 176
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
 // lost at short causal (up to -13%).
+// Experiment (issue 29, A/B pending): the narrow tile (non-causal 512-4k keys) on its own kernel,
+// 128 x 128 with 2 stages, unbanded: two Q buffers then fit (2 x 32 + 2 x 2 x 32 = 192 KB), so
+// the producer loads the next tile's Q a tile ahead, as for hd64 banded (+12.8% at causal 512);
+// FA3 leads our non-causal 512 / 1k by 2.4%.
+#ifndef FA3_FWD_HD128_NARROW_QPREFETCH
+#define FA3_FWD_HD128_NARROW_QPREFETCH 0
+#endif
+// Experiment (issue 29, A/B pending): long bands (at least kLongBand query rows and keys per
+// row) on the unbanded tile's 176-key block with the band mask, as FP8 hd128 does (its causal 16k
+// +13.5%). The 128 x 176 tile for every band gained +13% at causal 8k and lost up to 13% at short
+// causal (session 7); issue 29 asks causal 8k >= 1.03x FA3 (we are at 0.994x).
+#ifndef FA3_FWD_HD128_LONG_BAND
+#define FA3_FWD_HD128_LONG_BAND 0
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
+#if FA3_FWD_HD128_LONG_BAND
+  using long_banded = FwdTraits<E, 128, 128, 176, 2, true, true>;
+  static constexpr int kLongBand = 4096;
+#endif
+#if FA3_FWD_HD128_NARROW_QPREFETCH
+  using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
+  static_assert(narrow::kQPrefetch);
+#else
   // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow) run the
   // banded tile, which needs no band (block_is_interior then holds for every block but a ragged
   // last one, whose mask keeps only the seqlen_k bound). No extra kernel.
   using narrow = banded;
+#endif
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
@@ -97,10 +120,15 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 };
 
 // FP8 (e4m3): 128 query rows on two consumer warpgroups (the V transposers take the producer
-// warpgroup's spare warps; three consumer warpgroups leave them 32 registers, see d = 64),
-// kBlockN a multiple of 32 (the P V WGMMA's K). Shared memory per stage is K + V + transposed V,
-// each kBlockN x d bytes. Ping-pong as for bf16.
-//   d = 64: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; registers O 32 + S 64 + P 16.
+// warpgroup's spare warps), except hd64 unbanded: 192 rows on three; kBlockN a multiple of 32
+// (the P V WGMMA's K). Shared memory per stage is K + V + transposed V, each kBlockN x d bytes.
+// Ping-pong as for bf16.
+//   d = 64 unbanded: 192 x 160 (FA3's FP8 tile), 4 stages: 12 (Q) + 4 x 30 = 132 KB; three
+//   consumer warpgroups on 160 registers (O 32 + S 80 + P 20), the transposers on 32 (the
+//   ldmatrix transposer needs few). At hd64 a block's softmax chain is long next to its GEMMs,
+//   which the third warpgroup hides, as at bf16 (H200, 16k tokens: +25% at 2k, +47% at 16k over
+//   128 x 128; 192 x 128 level at 2k, -3% at 16k).
+//   Banded: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; O 32 + S 64 + P 16.
 //   d = 128 unbanded: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24, spill-free
 //   at 224. Wider blocks share each row's max, rescale and hand-offs over more keys, which FP8's
 //   twice-as-fast GEMMs expose (H200, 16k tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128;
@@ -111,35 +139,30 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
 //   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
 using Fp8 = cutlass::float_e4m3_t;
-// Experiment (issue 28, A/B pending; docs/kernels.md): FP8 hd64 unbanded on 192 query rows, three
-// consumer warpgroups on 160 registers, the transposers on 32; FA3_FP8_HD64_192 = the key block:
-// 128 (bf16's tile; O 32 + S 64 + P 16; 12 + 4 x 24 = 108 KB) or 160 (FA3's FP8 tile; 132 KB).
-// The ldmatrix transposers need few registers, which frees the third warpgroup's; at hd64 a
-// block's softmax chain is long next to its GEMMs, and bf16 hides it with the third warpgroup
-// (FP8 hd64 runs at 0.81-0.87x of bf16's 192-row tile).
-#ifndef FA3_FP8_HD64_192
-#define FA3_FP8_HD64_192 0
+// Experiment (issue 28, A/B pending; docs/kernels.md): 192 x 128 for short unbanded problems,
+// where 160-key blocks pad the most (512 keys: 640 of work, 1k: 1120). Its per-block cost of ~24
+// keys fits session 27's A/B (192 x 160 +3% at 16k, level at 2k): narrow at 512 and 1k only.
+#ifndef FA3_FP8_HD64_NARROW
+#define FA3_FP8_HD64_NARROW 0
 #endif
 template <>
 struct FwdTileTable<Fp8, 64> {
-  using full = FwdTraits<Fp8, 64, FA3_FP8_HD64_192 ? 192 : 128, FA3_FP8_HD64_192 ? FA3_FP8_HD64_192 : 128, 4,
-                         true, false>;
+  using full = FwdTraits<Fp8, 64, 192, 160, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
-};
-// Experiment (issue 28, A/B pending; docs/kernels.md): long bands (causal from 4k) on the 192-key
-// block too, with the band mask (FP8 causal 16k ran at 709 against 931 non-causal: the 128-key
-// blocks' per-row overheads, as the unbanded tile measured).
-#ifndef FA3_FP8_HD128_LONG_BAND
-#define FA3_FP8_HD128_LONG_BAND 0
+#if FA3_FP8_HD64_NARROW
+  using narrow = FwdTraits<Fp8, 64, 192, 128, 4, true, false>;
+  static constexpr int64_t kPadBlockKeys = 24;
 #endif
+};
+// d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block too,
+// with the band mask: the 128-key blocks' per-row overheads, as the unbanded tile measured
+// (H200, causal 16k: 780 -> 885 TFLOP/s).
 template <>
 struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
-#if FA3_FP8_HD128_LONG_BAND
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
   static constexpr int kLongBand = 4096;
-#endif
 };
 // Experiment (issue 28, A/B pending; docs/kernels.md): FA3's FP8 hd256 tile, 128 x 128 keys.
 #ifndef FA3_FP8_HD256_128
@@ -164,12 +187,6 @@ static_assert(sizeof(int) <= kFwdWorkspaceBytes, "the tile counter lives in the 
 
 inline bool fwd_uses_dynamic_schedule(const FwdParams& fp) {
   return work_varies(fp.shape, fp.opts, fp.docs);
-}
-
-template <typename Element, int kHeadDim>
-int fwd_table_key_block_impl(bool banded) {
-  using Table = FwdTileTable<Element, kHeadDim>;
-  return banded ? Table::banded::kBlockN : Table::full::kBlockN;
 }
 
 template <typename Element, int kHeadDim>
@@ -282,12 +299,21 @@ inline int64_t band_width(const FwdParams& fp) {
 // +4..+8%). Same query tile both ways (kBlockM 128), so only the key side differs.
 constexpr int64_t kFwdPadBlockKeys = 8;
 
-inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n) {
+inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n,
+                                   int64_t pad_keys = kFwdPadBlockKeys) {
   if (narrow_n >= wide_n) return false;
   int64_t wide_blocks = (seqlen_k + wide_n - 1) / wide_n;
   int64_t narrow_blocks = (seqlen_k + narrow_n - 1) / narrow_n;
-  return narrow_blocks * (narrow_n + kFwdPadBlockKeys) < wide_blocks * (wide_n + kFwdPadBlockKeys);
+  return narrow_blocks * (narrow_n + pad_keys) < wide_blocks * (wide_n + pad_keys);
 }
+
+// A table's fixed block cost in key columns (`kPadBlockKeys`), where it measured its own; else
+// kFwdPadBlockKeys.
+template <class Table, class = void>
+struct PadBlockKeys : std::integral_constant<int64_t, kFwdPadBlockKeys> {};
+template <class Table>
+struct PadBlockKeys<Table, std::void_t<decltype(Table::kPadBlockKeys)>>
+    : std::integral_constant<int64_t, Table::kPadBlockKeys> {};
 
 // A table's narrower tile for unbanded problems (`narrow`), where it has one; else `full`.
 template <class Table, class = void>
@@ -299,28 +325,52 @@ struct NarrowTile<Table, std::void_t<typename Table::narrow>> {
   using type = typename Table::narrow;
 };
 
-template <typename Element, int kHeadDim>
-cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
+template <class T>
+struct TileTag {
+  using type = T;  // void: no tile runs the problem
+};
+
+// The tile of (Element, kHeadDim)'s table that a problem runs on, handed to `f` as a TileTag:
+// run_fwd_impl launches it, fwd_key_block_impl reports its key block (the FP8 oracle's).
+template <typename Element, int kHeadDim, class F>
+auto with_fwd_tile(const FwdParams& fp, F&& f) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
   if (!work_varies(fp.shape, fp.opts, fp.docs)) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
     static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
-    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN))
-      return launch_fwd<Narrow>(fp, stream);
-    return launch_fwd<Full>(fp, stream);
+    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN, PadBlockKeys<Table>::value))
+      return f(TileTag<Narrow>{});
+    return f(TileTag<Full>{});
   }
   // Documents bound each row's keys by their length, unknown here: the regular banded tile.
   // FP8 kernels take no documents (the FFI handler rejects them).
-  if constexpr (Table::banded::kFp8) {
-    if (fp.docs.present()) return cudaErrorNotSupported;
-  } else {
-    if (fp.docs.present()) return launch_fwd<FwdDocsTraits<typename Table::banded>>(fp, stream);
+  if (fp.docs.present()) {
+    if constexpr (Table::banded::kFp8) return f(TileTag<void>{});
+    else return f(TileTag<FwdDocsTraits<typename Table::banded>>{});
   }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
-    return launch_fwd<typename Long::type>(fp, stream);
-  return launch_fwd<typename Table::banded>(fp, stream);
+    return f(TileTag<typename Long::type>{});
+  return f(TileTag<typename Table::banded>{});
+}
+
+template <typename Element, int kHeadDim>
+int fwd_key_block_impl(const FwdParams& fp) {
+  return with_fwd_tile<Element, kHeadDim>(fp, [](auto tile) {
+    using T = typename decltype(tile)::type;
+    if constexpr (std::is_void_v<T>) return 0;
+    else return int(T::kBlockN);
+  });
+}
+
+template <typename Element, int kHeadDim>
+cudaError_t run_fwd_impl(const FwdParams& fp, cudaStream_t stream) {
+  return with_fwd_tile<Element, kHeadDim>(fp, [&](auto tile) {
+    using T = typename decltype(tile)::type;
+    if constexpr (std::is_void_v<T>) return cudaErrorNotSupported;
+    else return launch_fwd<T>(fp, stream);
+  });
 }
 
 }  // namespace fa3
