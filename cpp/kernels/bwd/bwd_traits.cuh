@@ -148,10 +148,6 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-// Experiment (issue 29, A/B pending; docs/kernels.md): LSE / D loaded before the GEMMs.
-#ifndef FA3_BWD_STATS_EARLY
-#define FA3_BWD_STATS_EARLY 0
-#endif
 // Experiment (issue 29, A/B pending; docs/kernels.md): the dQ tile handed to the writer after the
 // next step's S^T / dP^T issue.
 #ifndef FA3_BWD_DQ_LATE_HANDOFF
@@ -197,10 +193,6 @@ struct BwdTraitsT {
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
   static constexpr bool kStatsLds = !kSoftcap && kHeadDim < 128 && kDQSmem;
-  // kStatsEarly (experiment FA3_BWD_STATS_EARLY, issue 29): the shuffled tiles with one sub-step
-  // per step load LSE / D right after their barriers, before the S^T / dP^T issue (ncu, hd128
-  // causal 8k: 10% of the stall samples on the LDS -> SHFL -> FFMA chain issued after the GEMMs).
-  static constexpr bool kStatsEarly = FA3_BWD_STATS_EARLY && !kStatsLds && kSubM == 1;
   // kDQLateHandoff (experiment FA3_BWD_DQ_LATE_HANDOFF, issue 29): the smem-dQ tiles fence and
   // arrive on DQFull after the next step's S^T / dP^T issue, not right after the dQ stores (ncu,
   // hd128 causal 8k: 8.6% of the stall samples on that fence and arrive, waiting for the stores).

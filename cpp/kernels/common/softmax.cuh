@@ -13,7 +13,6 @@
 #pragma once
 
 #include <cmath>
-#include <cstring>
 
 #include "common/utils.cuh"
 
@@ -43,28 +42,7 @@ CUTE_DEVICE void apply_softcap(TS& s, float pre_tanh) {
   for (int i = 0; i < size(s); ++i) s(i) = tanhf(s(i) * pre_tanh);
 }
 
-// 2^x on the FMA pipe instead of MUFU (the FA3_FP8_HD64_EXP2_EMU experiment: fwd_traits.cuh). x
-// is rounded to n by adding 1.5 * 2^23 + 127 (the sum's low mantissa bits then hold n + 127),
-// 2^(x - n) comes from a degree-3 polynomial on [-0.5, 0.5] (1 at 0, so integers give exact
-// powers of two; relative error <= 1.1e-4, tests/kernels/exp2_fma.cu) and 2^n is built as a
-// float from those bits. x <= -127 (a masked score's -inf too) gives exactly 0.
-CUTE_HOST_DEVICE float exp2_fma(float x) {
-  constexpr float kRound = 12582912.f + 127.f;
-  x = fmaxf(x, -127.f);
-  float const t = x + kRound;  // kRound + round(x), in [2^23, 2^24): the low bits are round(x) + 127
-  float const f = x - (t - kRound);
-  float const p = fmaf(f, fmaf(f, fmaf(f, 0.055008713f, 0.24221069f), 0.6932829f), 1.f);
-  uint32_t bits;
-  memcpy(&bits, &t, 4);
-  bits <<= 23;  // (round(x) + 127) << 23: 2^round(x), or 0 for round(x) = -127
-  float two_n;
-  memcpy(&two_n, &bits, 4);
-  return p * two_n;
-}
-
-// kEmuEvery > 0 (experiment FA3_FP8_HD64_EXP2_EMU): column c of each row with
-// c % kEmuEvery == kEmuEvery - 1 takes exp2_fma instead of MUFU's exp2.
-template <int kRows, int kMaxOffset = 0, int kEmuEvery = 0>
+template <int kRows, int kMaxOffset = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // per-thread partial sums
@@ -82,73 +60,46 @@ struct OnlineSoftmax {
 
   // Exponentiates the (rows, cols) view `s` in place against the updated running max and writes
   // the factor by which the previous O rows must be multiplied into alpha[r]. kFirst: no history
-  // (alpha is not written). Row by row; update_max then update_exp do the same in two steps.
+  // (alpha is not written).
   template <bool kFirst, class TS>
   CUTE_DEVICE void update(TS& s, float (&alpha)[kRows]) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      float const m_scaled = row_update_max<kFirst>(s, r, alpha);
-      row_update_exp<kFirst>(s, r, m_scaled);
-    }
-  }
-  template <bool kFirst, class TS>
-  CUTE_DEVICE void update_max(TS& s, float (&alpha)[kRows]) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) row_update_max<kFirst>(s, r, alpha);
-  }
-  template <bool kFirst, class TS>
-  CUTE_DEVICE void update_exp(TS& s) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) row_update_exp<kFirst>(s, r, scaled_max(row_max[r]));
-  }
-
-  // Row r's new max, alpha[r] and its rescaled sum; returns the scaled max.
-  template <bool kFirst, class TS>
-  CUTE_DEVICE float row_update_max(TS& s, int r, float (&alpha)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     constexpr int kCols = decltype(size<1>(s))::value;
     // Row max over 4 independent chains (then combined): a single fmax chain is kCols deep
     // (44 at 176-wide blocks), and its latency sits right before the exp2s on the critical path
     // of the softmax, with only 2-3 consumer warps per scheduler to hide it.
     constexpr int kChains = kCols % 4 == 0 ? 4 : (kCols % 2 == 0 ? 2 : 1);
-    float mc[kChains];
     CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kChains; ++k) mc[k] = s(r, k);
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = kChains; c < kCols; ++c) mc[c % kChains] = fmaxf(mc[c % kChains], s(r, c));
-    float m = kFirst ? -INFINITY : row_max[r];
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < kChains; ++k) m = fmaxf(m, mc[k]);
-    m = quad_max(m);
-    float const m_scaled = scaled_max(m);
-    if constexpr (!kFirst) {
-      // Exactly 1 when the max did not move (the caller then skips the O rescale; with the
-      // product fused into the subtraction the exponent would be a rounding residual, not 0);
-      // exp2(-inf) = 0 when the row had no key before.
-      alpha[r] = m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_sum[r] *= alpha[r];
+    for (int r = 0; r < kRows; ++r) {
+      float mc[kChains];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kChains; ++k) mc[k] = s(r, k);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = kChains; c < kCols; ++c) mc[c % kChains] = fmaxf(mc[c % kChains], s(r, c));
+      float m = kFirst ? -INFINITY : row_max[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int k = 0; k < kChains; ++k) m = fmaxf(m, mc[k]);
+      m = quad_max(m);
+      // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
+      float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      if constexpr (!kFirst) {
+        // Exactly 1 when the max did not move (the caller then skips the O rescale; with the
+        // product fused into the subtraction the exponent would be a rounding residual, not 0);
+        // exp2(-inf) = 0 when the row had no key before.
+        alpha[r] = m == row_max[r] ? 1.f : exp2f(row_max[r] * scale_log2 - m_scaled);
+        row_sum[r] *= alpha[r];
+      }
+      row_max[r] = m;
+      float sum = kFirst ? 0.f : row_sum[r];
+      float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(s); ++c) {
+        s(r, c) = exp2f(fmaf(s(r, c), scale_log2, -m_exp));
+        sum += s(r, c);
+      }
+      row_sum[r] = sum;
     }
-    row_max[r] = m;
-    return m_scaled;
   }
-
-  // Row r's P = exp2 of the scaled scores less its scaled max m_scaled (plus kMaxOffset), and
-  // its sum.
-  template <bool kFirst, class TS>
-  CUTE_DEVICE void row_update_exp(TS& s, int r, float m_scaled) {
-    float sum = kFirst ? 0.f : row_sum[r];
-    float const m_exp = kMaxOffset != 0 ? m_scaled - float(kMaxOffset) : m_scaled;
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < size<1>(s); ++c) {
-      float const x = fmaf(s(r, c), scale_log2, -m_exp);
-      s(r, c) = (kEmuEvery > 0 && c % kEmuEvery == kEmuEvery - 1) ? exp2_fma(x) : exp2f(x);
-      sum += s(r, c);
-    }
-    row_sum[r] = sum;
-  }
-
-  // A row with no visible key so far keeps m = -inf; subtract 0 instead (P stays 0).
-  CUTE_DEVICE float scaled_max(float m) const { return m == -INFINITY ? 0.f : m * scale_log2; }
 
   // Reduces the row sums over the quad; returns the factor that turns each row of O into the
   // output (1/l; 0 for rows with no visible key) and writes the natural-log LSE per row (-inf

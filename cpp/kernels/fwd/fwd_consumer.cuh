@@ -112,7 +112,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   constexpr int kRows = decltype(size<0>(S))::value;
   static_assert(kRows == 2);
 
-  OnlineSoftmax<kRows, T::kFp8 ? 8 : 0, T::kExp2EmuEvery> softmax(p.scale.scale_log2);
+  OnlineSoftmax<kRows, T::kFp8 ? 8 : 0> softmax(p.scale.scale_log2);
   FwdQConsumer<T> q{ss};
   typename T::PipelineState read;  // of both rings (fwd_pipeline.cuh); consumers start at phase 0
   bool const softcap = p.scale.softcap;
@@ -194,15 +194,9 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         if constexpr (T::kFp8) convert_into_fp8_operand_a(tSrS, tOrP);
         else convert_into(tSrS, tOrP);
       };
-      // T::kConvertInSoftmax (FP8 experiment, FA3's FP8 order): block n's softmax ends with the
-      // wait for P V, the O rescale and P_n's conversion. Row max; the rescale vote, whose branch
-      // ends the max's basic block (in one block with the wait, ptxas hoists the wait above the
-      // max); then the exponentials, the wait and the conversion in one basic block, where ptxas
-      // interleaves the conversions with the exponentials.
-      if constexpr (T::kConvertInSoftmax) tail();
       CUTLASS_PRAGMA_NO_UNROLL
       for (--n; n >= n_begin; --n) {
-        if constexpr (!T::kConvertInSoftmax) tail();
+        tail();
         read_v = read;  // block n + 1
         ++read;         // block n
         pipe_k.consumer_wait(read);
@@ -218,24 +212,9 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
         if (n == n_begin) q.release(tile);
         if (softcap) apply_softcap(tSrS, pre_tanh);
         if (!tile_mask.interior(n)) tile_mask.apply(n, S, cS);
-        if constexpr (T::kConvertInSoftmax) {
-          softmax.template update_max<false>(S, alpha);
-          if (warp_row_max_moved(alpha)) {
-            warpgroup_wait<0>();
-            warpgroup_fence_operand(tOrO);
-            scale_rows(O, alpha);
-          }
-          softmax.template update_exp<false>(S);
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          warpgroup_fence_operand(tOrP);
-          pipe_v.consumer_release(read_v);
-          convert_into_fp8_operand_a(tSrS, tOrP);
-        } else {
-          softmax.template update<false>(S, alpha);
-        }
+        softmax.template update<false>(S, alpha);
       }
-      if constexpr (!T::kConvertInSoftmax) tail();
+      tail();
 
       // P V of the first key block.
       pipe_v.consumer_wait(read);

@@ -63,7 +63,8 @@ struct FwdTileTable<E, 96> {
 // with 3 stages (32 + 3 x 2 x 32 = 224 KB): square tiles waste least on the causal diagonal, and
 // the deeper ring (2 would fit 160 KB) gave short causal +4..+5% as for d = 64. The 128 x 176
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
-// lost at short causal (up to -13%).
+// lost at short causal (up to -13%); on bands of >= 4096 rows and keys only, it measured level
+// at causal 4k / 8k (session 29).
 // Experiment (issue 29, A/B pending): the narrow tile (non-causal 512-4k keys) on its own kernel,
 // 128 x 128 with 2 stages, unbanded: two Q buffers then fit (2 x 32 + 2 x 2 x 32 = 192 KB), so
 // the producer loads the next tile's Q a tile ahead, as for hd64 banded (+12.8% at causal 512);
@@ -71,21 +72,10 @@ struct FwdTileTable<E, 96> {
 #ifndef FA3_FWD_HD128_NARROW_QPREFETCH
 #define FA3_FWD_HD128_NARROW_QPREFETCH 0
 #endif
-// Experiment (issue 29, A/B pending): long bands (at least kLongBand query rows and keys per
-// row) on the unbanded tile's 176-key block with the band mask, as FP8 hd128 does (its causal 16k
-// +13.5%). The 128 x 176 tile for every band gained +13% at causal 8k and lost up to 13% at short
-// causal (session 7); issue 29 asks causal 8k >= 1.03x FA3 (we are at 0.994x).
-#ifndef FA3_FWD_HD128_LONG_BAND
-#define FA3_FWD_HD128_LONG_BAND 0
-#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
-#if FA3_FWD_HD128_LONG_BAND
-  using long_banded = FwdTraits<E, 128, 128, 176, 2, true, true>;
-  static constexpr int kLongBand = 4096;
-#endif
 #if FA3_FWD_HD128_NARROW_QPREFETCH
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
@@ -164,17 +154,9 @@ struct FwdTileTable<Fp8, 128> {
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
   static constexpr int kLongBand = 4096;
 };
-// Experiment (issue 28, A/B pending; docs/kernels.md): FA3's FP8 hd256 tile, 128 x 128 keys.
-#ifndef FA3_FP8_HD256_128
-#define FA3_FP8_HD256_128 0
-#endif
 template <>
 struct FwdTileTable<Fp8, 256> {
-#if FA3_FP8_HD256_128  // 128 x 128, 2 stages: 32 + 3 x 2 x 32 = 224 KB; O 128 + S 64 + P 16 of 240
-  using full = FwdTraits<Fp8, 256, 128, 128, 2, true, false>;
-#else
   using full = FwdTraits<Fp8, 256, 128, 64, 3, true, false>;
-#endif
   using banded = FwdTraits<Fp8, 256, 128, 64, 3, true, true>;
 };
 

@@ -11,13 +11,6 @@
 #include "common/utils.cuh"
 #include "fwd/fwd_pipeline.cuh"
 
-#ifndef FA3_FP8_HD64_EXP2_EMU
-#define FA3_FP8_HD64_EXP2_EMU 0
-#endif
-#ifndef FA3_FP8_CONVERT_IN_SOFTMAX
-#define FA3_FP8_CONVERT_IN_SOFTMAX 0
-#endif
-
 namespace fa3 {
 
 // FP8 only: the transposed V ring (fwd_transpose.cuh), empty otherwise (a base class, so that it
@@ -60,17 +53,6 @@ struct FwdTraits {
   static constexpr bool kBanded = kBanded_;
   // Packed documents (Params::docs): only FwdDocsTraits below compiles them in.
   static constexpr bool kDocs = false;
-  // FP8: each block's P V wait, O rescale and P conversion end that block's softmax (the wait
-  // after the row max, the conversions among the exponentials), as in FA3's FP8 SASS (experiment
-  // FA3_FP8_CONVERT_IN_SOFTMAX, issue 28; fwd_consumer.cuh). Otherwise they open the next
-  // block's iteration (the rotated loop).
-  static constexpr bool kConvertInSoftmax = kFp8 && FA3_FP8_CONVERT_IN_SOFTMAX;
-  // FP8 hd64: every kExp2EmuEvery-th exponential of a softmax row on the FMA pipe (common/softmax.cuh,
-  // exp2_fma; 0: none), where MUFU binds: per SM sub-partition and 192 x 160 block, the three
-  // warps' exponentials take 1920 MUFU clocks against 960 of tensor work and ~1320 issue slots
-  // (experiment FA3_FP8_HD64_EXP2_EMU, issue 28; on the earlier 128 x 128 tile every 8th gained
-  // 7-14% non-causal).
-  static constexpr int kExp2EmuEvery = kFp8 && kHeadDim == 64 ? FA3_FP8_HD64_EXP2_EMU : 0;
   static constexpr int kNumMmaWG = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWG * 128;
   static constexpr int kNumThreads = kNumMmaThreads + 128;
@@ -83,17 +65,11 @@ struct FwdTraits {
   // FP8: the static schedule only, so that the V transposers walk the tiles on their own
   // (fwd_transpose.cuh); 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold
   // O d/2 + S kBlockN/2 + P kBlockN/8). The transposers also run on 32, one tile's loads at a
-  // time, where the registers are needed elsewhere: hd64's three consumer warpgroups, the hd256
-  // 128-key experiment below.
+  // time, where the registers are needed elsewhere: hd64's three consumer warpgroups.
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // FA3's FP8 hd256 tile, 128 keys (the FA3_FP8_HD256_128 experiment, fwd_launch.cuh), needs 240
-  // consumer registers, its transposers on 32 (at 40 / 232 the consumers spilled 48 B).
-  static constexpr bool kFp8Hd256Wide = kFp8 && kHeadDim == 256 && kBlockN == 128;
   // FP8 with three consumer warpgroups (hd64 unbanded): 32 / 160, as bf16.
-  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32
-                                       : kFp8 ? (kFp8Hd256Wide ? 32 : 56) : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160
-                                       : kFp8 ? (kFp8Hd256Wide ? 240 : 224) : (kDynamicSchedule ? 232 : 240);
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));

@@ -109,7 +109,7 @@ CUTE_HOST_DEVICE void ldsm_tile_to_vt_words(uint32_t const (&r)[4], uint32_t (&w
 
 // One V block at shared addresses v (stage base) to vt, by a warp whose lane has tile-0 offsets
 // x_ld, x_st. Two tiles' loads are issued together: one at a time, each load waited for the
-// previous tile's permutes (a load's latency per tile). On 32 registers (the hd256 128-key tile)
+// previous tile's permutes (a load's latency per tile). On 32 registers (hd64's three-warpgroup tile)
 // one at a time, with the tiles' XORed offsets formed per block (per_block): hoisted out of the
 // block loop they spilled 28 B.
 template <class T>
