@@ -25,13 +25,15 @@ from bench_attention import attention_fn, grid_shape, make_loop  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impl", default="jax_fa3", help="jax_fa3, jax_fa3_det, cudnn, xla or fa3")
+    p.add_argument("--impl", default="jax_fa3",
+                   help="jax_fa3, jax_fa3_det, cudnn, xla or fa3 (float8_e4m3fn: jax_fa3 or cudnn)")
     p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--causal", type=int, default=0, choices=(0, 1))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"),
-                   help="float8_e4m3fn: jax_fa3's FP8 forward on inputs quantized per head")
+                   help="float8_e4m3fn: the FP8 forward as bench_fp8.py calls it (jax_fa3: inputs "
+                        "quantized per head; cudnn: per tensor, e4m3 out)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--calls", type=int, default=3)
@@ -43,13 +45,15 @@ def main(argv=None) -> int:
     batch, _, heads, _ = shape
     keys = jax.random.split(jax.random.key(0), 3)
     if args.dtype == "float8_e4m3fn":
-        if (args.impl, args.direction) != ("jax_fa3", "fwd"):
-            p.error("--dtype float8_e4m3fn profiles jax_fa3's forward only")
-        from bench_fp8 import point_fns  # the benchmark's FP8 call, on its per-head quantization
+        fp8_impl = {"jax_fa3": "jax_fa3_fp8", "cudnn": "cudnn_fp8"}.get(args.impl)
+        if fp8_impl is None or args.direction != "fwd":
+            p.error("--dtype float8_e4m3fn profiles the forward of jax_fa3 or cudnn")
+        from bench_fp8 import point_fns  # the benchmark's FP8 calls and quantization
         from jax_fa3.fp8 import quantize_fp8
-        fp8_inputs = [quantize_fp8(jax.random.normal(key, shape, jnp.float32), granularity="head")
-                      for key in keys]
-        fn, (q, k, v) = point_fns("jax_fa3_fp8", bool(args.causal), fp8_inputs, None)
+        x = [jax.random.normal(key, shape, jnp.float32) for key in keys]
+        fp8_inputs = [quantize_fp8(t, granularity="head") for t in x]
+        fn, (q, k, v), _ = point_fns(fp8_impl, bool(args.causal), fp8_inputs,
+                                     tuple(t.astype(jnp.bfloat16) for t in x))
     else:
         q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
         fn = attention_fn(args.impl, bool(args.causal), args.direction)

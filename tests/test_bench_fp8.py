@@ -62,3 +62,19 @@ def test_cudnn_fp8_call_lowers_for_cuda(monkeypatch):
         configs.add(call.split("backend_config", 1)[1])
         assert jax.eval_shape(fn, *inputs).shape == shape
     assert len(configs) == 2  # causal and not lower to different cuDNN configurations
+
+def test_profile_point_runs_the_fp8_forward(monkeypatch, capsys):
+    """benchmarks/profile_point.py (what scripts/ncu_point.sh runs) on the FP8 forward: ours on the
+    portable path here; cuDNN's reaches JAX's binding, which off the GPU says why it cannot run."""
+    import profile_point
+    import pytest
+
+    monkeypatch.setattr(bench_fp8, "IMPLEMENTATION", "xla")
+    small = ["--dtype", "float8_e4m3fn", "--head-dim", "64", "--seqlen", "128", "--tokens", "256",
+             "--hidden", "128", "--calls", "1"]
+    assert profile_point.main(["--impl", "jax_fa3", "--causal", "1", *small]) == 0
+    assert "jax_fa3 fwd hd64 s128 b2 h2 causal=True: median" in capsys.readouterr().out
+    with pytest.raises(Exception, match="cuDNN is not detected"):
+        profile_point.main(["--impl", "cudnn", *small])
+    with pytest.raises(SystemExit):  # the FP8 backward and other peers: a usage error
+        profile_point.main(["--impl", "jax_fa3", "--direction", "bwd", *small])
