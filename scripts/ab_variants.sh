@@ -73,7 +73,11 @@ run_all() {
       bench "${names[i]}" || status=1
     done
   fi
-  python3 benchmarks/ab_compare.py "$OUT/ab_tables.md" --out "$OUT/ab_summary.md" || status=1
+  if [ -f "$OUT/ab_tables.md" ]; then
+    python3 benchmarks/ab_compare.py "$OUT/ab_tables.md" --out "$OUT/ab_summary.md" || status=1
+  else
+    echo "ab_variants: no variant's benchmark timed a point, so there is no summary"; status=1
+  fi
   return $status
 }
 
@@ -85,7 +89,11 @@ bench() {  # bench NAME: the benchmark of /tmp/variant_NAME, its table appended 
   fi
   rm -f /tmp/ab_results/*-"$1".md
   CUDA_VISIBLE_DEVICES=${AB_GPU:-0} PYTHONPATH="/tmp/variant_$1:/tmp/site" timeout "${BENCH_TIMEOUT:-240}" python3 -P $script \
-    --out /tmp/ab_results --tag "$1" ${BENCH_ARGS:-} 2>&1 | grep -v " TFLOP/s$" || return 1
+    --out /tmp/ab_results --tag "$1" ${BENCH_ARGS:-} 2>&1 | grep -v " TFLOP/s$"
+  local rc=${PIPESTATUS[0]}
+  # Session 29: a variant whose kernel hung was cut here with nothing in the log.
+  [ "$rc" != 124 ] || { echo "variant $1: the benchmark was cut at its ${BENCH_TIMEOUT:-240} s limit"; return 1; }
+  [ "$rc" = 0 ] || { echo "variant $1: the benchmark exited with status $rc"; return 1; }
   cat /tmp/ab_results/*-"$1".md >>"$OUT/ab_tables.md"
   # A table without timed rows is a failed variant, not an empty A/B (session 8: a backward-only
   # build has no forward kernel, so jax_fa3 could run no point, and nothing said so).

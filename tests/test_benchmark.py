@@ -150,3 +150,32 @@ def test_ab_compare_reads_fp8_tables(tmp_path):
     runs = ab_compare.read_runs([path])
     assert runs == {"base": [{("fp8", 256, "no", 16384): 800.0}], "pp": [{("fp8", 256, "no", 16384): 900.0}]}
     assert "| 1.125 |" in ab_compare.summary(runs)
+
+
+def test_ab_variants_names_a_benchmark_cut_at_its_limit(tmp_path):
+    """scripts/ab_variants.sh: a variant whose benchmark never finishes (session 29: a hung FP8
+    tile) is named as cut at BENCH_TIMEOUT, and with no table there is no summary, said so."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(  # the benchmark hangs; every other python3 call is the real one
+        f'#!/bin/bash\nfor a in "$@"; do case $a in *bench_attention.py) sleep 30; exit 0;; esac; done\n'
+        f'exec {sys.executable} "$@"\n')
+    (fake / "python3").chmod(0o755)
+    name = f"pytest_cut_{os.getpid()}"
+    rc_file, log_file = Path(f"/tmp/ab_{name}.rc"), Path(f"/tmp/ab_{name}.log")
+    rc_file.write_text("0\n")  # AB_REUSE: a build that "succeeded"
+    log_file.write_text("")
+    try:
+        env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", AB_REUSE="1", BENCH_TIMEOUT="1")
+        out = subprocess.run(["bash", str(root / "scripts" / "ab_variants.sh"), str(tmp_path / "ab"), f"{name}="],
+                             env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        rc_file.unlink(missing_ok=True)
+        log_file.unlink(missing_ok=True)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"variant {name}: the benchmark was cut at its 1 s limit" in out.stdout
+    assert "no variant's benchmark timed a point" in out.stdout
