@@ -38,33 +38,16 @@ CUTE_DEVICE float shfl_idx_seg3(uint32_t mask, float v, int base) {
   return r;
 }
 
-// A sub-step's LSE and D for the lane shuffles of p_and_ds: lane L holds columns 64 h + 2L and
-// 64 h + 2L + 1 of each (one float2 per 64 columns).
-template <class Tr>
-struct StatPairs {
-  float2 lse[Tr::kBlockMSdP / 64], dpsum[Tr::kBlockMSdP / 64];
-  CUTE_DEVICE void load_lse(const float* sm, int ct) { load(lse, sm, ct); }
-  CUTE_DEVICE void load_dpsum(const float* sm, int ct) { load(dpsum, sm, ct); }
-
- private:
-  CUTE_DEVICE static void load(float2 (&r)[Tr::kBlockMSdP / 64], const float* sm, int ct) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int c64 = 0; c64 < Tr::kBlockMSdP / 64; ++c64) r[c64] = *reinterpret_cast<const float2*>(sm + c64 * 64 + 2 * (ct % 32));
-  }
-};
-
 // The consumers' per-sub-step math, once its S^T and dP^T are issued: P^T = exp2(S^T * scale_log2
 // - lse_log2) in place of S^T, dS^T = P^T o (dP^T - D) (o tanh' with softcap) in place of dP^T;
 // rows = keys, columns = queries (the sub-step's first query q0). lse and dpsum point at the
-// sub-step's statistics in the stage (sp: the same, loaded for the shuffles); need_mask says
-// whether the band or the key bound cuts the
+// sub-step's statistics in the stage; need_mask says whether the band or the key bound cuts the
 // sub-step. The first WGMMA wait also retires the previous step's dK (kOverlapDK), whose Q stage
 // prev_stage is released there when release_prev. kAhead: the younger S^T/dP^T groups that stay
 // in flight (kSdPAhead).
 template <class Tr, int kAhead, bool kDocs, class FragS, class CoordS, class FragK, class Release>
 CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
-                          CoordS const& tScS, const float* lse, const float* dpsum, StatPairs<Tr> const& sp,
-                          int ct, bool need_mask,
+                          CoordS const& tScS, const float* lse, const float* dpsum, int ct, bool need_mask,
                           int q0, int b, bool release_prev, FragK& tdKrdK, Release const& release, int prev_stage) {
   constexpr int kBlockMSdP = Tr::kBlockMSdP;
   // Per-query statistics of accumulator element i (column get<1>(tScS(i))). Lane L keeps columns
@@ -74,8 +57,12 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
   // statistic instead of up to kBlockMSdP/4 loaded values. A partial last group of 64 columns
   // (80 rows: columns 64..79) is not shuffled: each thread reads its own 4 columns there from
   // shared memory (fewer live registers).
-  auto const& lse_r = sp.lse;
-  auto const& dpsum_r = sp.dpsum;
+  float2 lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
+  CUTLASS_PRAGMA_UNROLL
+  for (int c64 = 0; c64 < kBlockMSdP / 64; ++c64) {
+    lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
+    dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
+  }
   // kStatsLds: the thread's own columns 8 j + 2 (lane % 4) + {0, 1} (element i = e + 2 r + 4 j,
   // as above) as kBlockMSdP / 8 float2 loads: LSE here, under the S^T wait, D after the
   // exponentials, under the dP^T wait.
@@ -246,11 +233,11 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   // and phase of the Q/dO ring, the dS buffer (dS is written only in pass 0, whose steps come
   // first), and the stage an in-flight dK still reads (the previous step's).
   int it = 0;
-  // kDQLateHandoff: this warpgroup's dQ tile of the previous step is written but not yet handed
-  // to the writer; handed over once this step's S^T / dP^T are issued (or after the last step).
+  // kDQSmem: this warpgroup's dQ tile of the previous step is written but not yet handed to the
+  // writer; handed over once this step's S^T / dP^T are issued (or after the last step).
   bool dq_held = false;
   auto hand_held_dq = [&] {
-    if constexpr (Tr::kDQLateHandoff) {
+    if constexpr (Tr::kDQSmem) {
       if (dq_held) dq_hand_to_writer(wg);
       dq_held = false;
     }
@@ -319,10 +306,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           }
           const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
           const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
-          StatPairs<Tr> sp;
-          sp.load_lse(lse, ct);
-          sp.load_dpsum(dpsum, ct);
-          p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, sp, ct, need_mask[sub], q0, b,
+          p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, ct, need_mask[sub], q0, b,
                                sub == 0 && pending, tdKrdK, release, prev_stage);
           Tensor rP = make_tensor<Element>(tSrS.layout());
           convert_fragment(tSrS, rP);

@@ -148,12 +148,6 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-// Experiment (issue 29, A/B pending; docs/kernels.md): the dQ tile handed to the writer after the
-// next step's S^T / dP^T issue.
-#ifndef FA3_BWD_DQ_LATE_HANDOFF
-#define FA3_BWD_DQ_LATE_HANDOFF 0
-#endif
-
 // Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
 template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_>
 struct BwdTraitsT {
@@ -193,10 +187,6 @@ struct BwdTraitsT {
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
   static constexpr bool kStatsLds = !kSoftcap && kHeadDim < 128 && kDQSmem;
-  // kDQLateHandoff (experiment FA3_BWD_DQ_LATE_HANDOFF, issue 29): the smem-dQ tiles fence and
-  // arrive on DQFull after the next step's S^T / dP^T issue, not right after the dQ stores (ncu,
-  // hd128 causal 8k: 8.6% of the stall samples on that fence and arrive, waiting for the stores).
-  static constexpr bool kDQLateHandoff = FA3_BWD_DQ_LATE_HANDOFF && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less

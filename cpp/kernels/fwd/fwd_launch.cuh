@@ -65,26 +65,16 @@ struct FwdTileTable<E, 96> {
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
 // lost at short causal (up to -13%); on bands of >= 4096 rows and keys only, it measured level
 // at causal 4k / 8k (session 29).
-// Experiment (issue 29, A/B pending): the narrow tile (non-causal 512-4k keys) on its own kernel,
-// 128 x 128 with 2 stages, unbanded: two Q buffers then fit (2 x 32 + 2 x 2 x 32 = 192 KB), so
-// the producer loads the next tile's Q a tile ahead, as for hd64 banded (+12.8% at causal 512);
-// FA3 leads our non-causal 512 / 1k by 2.4%.
-#ifndef FA3_FWD_HD128_NARROW_QPREFETCH
-#define FA3_FWD_HD128_NARROW_QPREFETCH 0
-#endif
+// Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow: non-causal 512-4k
+// keys) run the narrow tile on its own kernel: 128 x 128, 2 stages, unbanded, so two Q buffers
+// fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads the next tile's Q a tile ahead (H200,
+// against the banded kernel with 3 stages and one Q buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%).
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
-#if FA3_FWD_HD128_NARROW_QPREFETCH
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
-#else
-  // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow) run the
-  // banded tile, which needs no band (block_is_interior then holds for every block but a ragged
-  // last one, whose mask keeps only the seqlen_k bound). No extra kernel.
-  using narrow = banded;
-#endif
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
@@ -110,7 +100,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 };
 
 // FP8 (e4m3): 128 query rows on two consumer warpgroups (the V transposers take the producer
-// warpgroup's spare warps), except hd64 unbanded: 192 rows on three; kBlockN a multiple of 32
+// warpgroup's spare warps), except hd64 / hd128 unbanded: 192 rows on three; kBlockN a multiple of 32
 // (the P V WGMMA's K). Shared memory per stage is K + V + transposed V, each kBlockN x d bytes.
 // Ping-pong as for bf16.
 //   d = 64 unbanded: 192 x 160 (FA3's FP8 tile), 4 stages: 12 (Q) + 4 x 30 = 132 KB; three
@@ -119,44 +109,45 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   which the third warpgroup hides, as at bf16 (H200, 16k tokens: +25% at 2k, +47% at 16k over
 //   128 x 128; 192 x 128 level at 2k, -3% at 16k).
 //   Banded: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; O 32 + S 64 + P 16.
-//   d = 128 unbanded: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24, spill-free
-//   at 224. Wider blocks share each row's max, rescale and hand-offs over more keys, which FP8's
-//   twice-as-fast GEMMs expose (H200, 16k tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128;
-//   FA3's 128 x 224 measured level at 16k and -5% at 2k).
+//   d = 128 long bands: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24,
+//   spill-free at 224. Wider blocks share each row's max, rescale and hand-offs over more keys,
+//   which FP8's twice-as-fast GEMMs expose (as the unbanded tile, H200, 16k tokens: 2k +14%, 8k
+//   +11%, 16k +14% over 128 x 128; FA3's 128 x 224 measured level at 16k and -5% at 2k).
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
-//   d = 256: 128 x 64, 3 stages: 2 x 32 + 3 x 48 = 208 KB; O 128 + S 32 + P 8 (a 128-key block
-//   would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers). With
-//   ping-pong, which at d = 256 the bf16 tiles do without: the 64-key blocks' GEMMs are short
-//   next to their softmax (H200, 16k tokens: +14% non-causal, level elsewhere).
+//   d = 256: with ping-pong, which at d = 256 the bf16 tiles do without: short blocks' GEMMs are
+//   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal). Banded:
+//   128 x 64, 3 stages: 2 x 32 + 3 x 48 = 208 KB; O 128 + S 32 + P 8 (a 128-key block would need
+//   2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers; it hung).
 using Fp8 = cutlass::float_e4m3_t;
-// Experiment (issue 28, A/B pending; docs/kernels.md): 192 x 128 for short unbanded problems,
-// where 160-key blocks pad the most (512 keys: 640 of work, 1k: 1120). Its per-block cost of ~24
-// keys fits session 27's A/B (192 x 160 +3% at 16k, level at 2k): narrow at 512 and 1k only.
-#ifndef FA3_FP8_HD64_NARROW
-#define FA3_FP8_HD64_NARROW 0
-#endif
+// d = 64 narrow: 192 x 128 for short unbanded problems, where 160-key blocks pad the most (512
+// keys: 640 of work, 1k: 1120); a block's fixed cost of ~24 keys (kPadBlockKeys) puts the switch
+// between 1k and 2k (H200: +22.9 / +6.2% at 512 / 1k over 192 x 160).
 template <>
 struct FwdTileTable<Fp8, 64> {
   using full = FwdTraits<Fp8, 64, 192, 160, 4, true, false>;
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
-#if FA3_FP8_HD64_NARROW
   using narrow = FwdTraits<Fp8, 64, 192, 128, 4, true, false>;
   static constexpr int64_t kPadBlockKeys = 24;
-#endif
 };
-// d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block too,
-// with the band mask: the 128-key blocks' per-row overheads, as the unbanded tile measured
-// (H200, causal 16k: 780 -> 885 TFLOP/s).
+// d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block with
+// the band mask: the 128-key blocks' per-row overheads (H200, causal 16k: 780 -> 885 TFLOP/s).
+// d = 128 unbanded: 192 x 96 on three consumer warpgroups, 4 stages (24 + 4 x 36 = 168 KB; O 64 +
+// S 48 + P 12 of 160 registers, spill-free; the producer warpgroup, on 32, spills 20 B). hd128 ran
+// at ~45% of both its MUFU and its tensor bound on 128 x 192, so latency bound it, and a third
+// warpgroup hides it as at hd64 (H100, ABBA: 16k +5.5%, 2k +1.2% over 128 x 192).
 template <>
 struct FwdTileTable<Fp8, 128> {
-  using full = FwdTraits<Fp8, 128, 128, 192, 2, true, false>;
+  using full = FwdTraits<Fp8, 128, 192, 96, 4, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
   static constexpr int kLongBand = 4096;
 };
+// d = 256 unbanded: 128 x 96, 2 stages (2 x 32 + 2 x 72 = 208 KB; O 128 + S 48 + P 12 of 224
+// registers, spill-free): a block's row max, rescale and hand-offs shared over 96 keys, not 64
+// (H100, ABBA: 2k +6.7%, 16k +9.3% over 128 x 64 with 3 stages).
 template <>
 struct FwdTileTable<Fp8, 256> {
-  using full = FwdTraits<Fp8, 256, 128, 64, 3, true, false>;
+  using full = FwdTraits<Fp8, 256, 128, 96, 2, true, false>;
   using banded = FwdTraits<Fp8, 256, 128, 64, 3, true, true>;
 };
 
