@@ -69,12 +69,20 @@ struct FwdTileTable<E, 96> {
 // keys) run the narrow tile on its own kernel: 128 x 128, 2 stages, unbanded, so two Q buffers
 // fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads the next tile's Q a tile ahead (H200,
 // against the banded kernel with 3 stages and one Q buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%).
+// Experiment (issue 29, A/B pending): FA3_FWD_HD128_PAD_KEYS, this table's fixed block cost in
+// the padded-work model (default 8: narrow at 512-4k keys; 24: the 176-key tile at every
+// length). Session 30's H100 run read non-causal 4k 588.7 against 8k 657.3 (+11.7%; FA3 +2.1%,
+// cuDNN +6.1%): the narrow tile may lose from 2k or 4k.
+#ifndef FA3_FWD_HD128_PAD_KEYS
+#define FA3_FWD_HD128_PAD_KEYS 8
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
+  static constexpr int64_t kPadBlockKeys = FA3_FWD_HD128_PAD_KEYS;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
@@ -135,20 +143,38 @@ struct FwdTileTable<Fp8, 64> {
 // S 48 + P 12 of 160 registers, spill-free; the producer warpgroup, on 32, spills 20 B). hd128 ran
 // at ~45% of both its MUFU and its tensor bound on 128 x 192, so latency bound it, and a third
 // warpgroup hides it as at hd64 (H100, ABBA: 16k +5.5%, 2k +1.2% over 128 x 192).
+// Experiment (issue 28, A/B pending): FA3_FP8_HD128_LONG_3WG, long bands on the unbanded tile's
+// shape, 192 x 96 on three warpgroups with the band mask (as bf16 hd64's long bands).
+#ifndef FA3_FP8_HD128_LONG_3WG
+#define FA3_FP8_HD128_LONG_3WG 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 192, 96, 4, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
+#if FA3_FP8_HD128_LONG_3WG
+  using long_banded = FwdTraits<Fp8, 128, 192, 96, 4, true, true>;
+#else
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
+#endif
   static constexpr int kLongBand = 4096;
 };
 // d = 256 unbanded: 128 x 96, 2 stages (2 x 32 + 2 x 72 = 208 KB; O 128 + S 48 + P 12 of 224
 // registers, spill-free): a block's row max, rescale and hand-offs shared over 96 keys, not 64
 // (H100, ABBA: 2k +6.7%, 16k +9.3% over 128 x 64 with 3 stages).
+// Experiment (issue 28, A/B pending): FA3_FP8_HD256_BANDED_96, banded problems on 96 keys too
+// (2 stages), as the unbanded tile.
+#ifndef FA3_FP8_HD256_BANDED_96
+#define FA3_FP8_HD256_BANDED_96 0
+#endif
 template <>
 struct FwdTileTable<Fp8, 256> {
   using full = FwdTraits<Fp8, 256, 128, 96, 2, true, false>;
+#if FA3_FP8_HD256_BANDED_96
+  using banded = FwdTraits<Fp8, 256, 128, 96, 2, true, true>;
+#else
   using banded = FwdTraits<Fp8, 256, 128, 64, 3, true, true>;
+#endif
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
