@@ -54,6 +54,14 @@ def test_straight_line():
     assert list(found) == [addr_of(code, "FADD.FTZ R30, R30, R2")], found
 
 
+def test_empty_group_with_rz_accumulator():
+    # ptxas emits an empty group (RZ accumulator, no descriptor); it writes no register, and a
+    # read after it is no hazard. The checker used to stop on it (min() of no registers).
+    code = ["HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0", "FADD.FTZ R30, R30, R2",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT"]
+    assert not issues(code)
+
+
 def test_wait_keeps_the_newest_groups():
     # P V, then Q K^T; wait_group 1 retires P V only: O is free, S is not.
     code = [*PV, *QK, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FMUL.FTZ R24, R24, R3",
