@@ -6,7 +6,8 @@
 #        AB_BENCH_ARGS="--impls jax_fa3 --directions bwd --causal 0 --head-dims 64" \
 #        scripts/candidate_cycle.sh $OUT "FA3_EXP_X=1"
 # 1. builds the tree as it is (`cand`, every instantiation unless FA3_HEAD_DIMS_cand etc. narrow
-#    it) and `base` with BASE_DEFINES (narrow it with FA3_HEAD_DIMS_base etc.: only the A/B runs
+#    it; CAND_DEFINES sets an experiment's switches, e.g. "FA3_EXP_X=1" against base "") and
+#    `base` with BASE_DEFINES (narrow it with FA3_HEAD_DIMS_base etc.: only the A/B runs
 #    it; VARIANT_SRC_base=DIR builds base from another source tree, e.g. the commit before a
 #    refactor), at once (scripts/build_variant.sh);
 # 2. the compute-sanitizer gate on cand (scripts/sanitize.sh; CAND_SANITIZE=0 skips it) ->
@@ -34,7 +35,7 @@ t0=$(date +%s)
 step() { [[ " ${CAND_STEPS:-build sanitize tests ab bench} " == *" $1 "* ]]; }
 if step build; then
 # The wheels are in /tmp/site already: the two builds at once must not reinstall them there.
-WHEELS=/nonexistent scripts/build_variant.sh cand "" &
+WHEELS=/nonexistent scripts/build_variant.sh cand "${CAND_DEFINES-}" &
 WHEELS=/nonexistent scripts/build_variant.sh base "$base_defines" &
 wait
 for v in cand base; do
