@@ -65,9 +65,10 @@ struct FwdTraits {
   // FP8: the static schedule only, so that the V transposers walk the tiles on their own
   // (fwd_transpose.cuh); 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold
   // O d/2 + S kBlockN/2 + P kBlockN/8). The transposers also run on 32, one tile's loads at a
-  // time, where the registers are needed elsewhere: hd64's three consumer warpgroups.
+  // time, where the registers are needed elsewhere: the three-consumer tiles (hd64 and hd128
+  // unbanded).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // FP8 with three consumer warpgroups (hd64 unbanded): 32 / 160, as bf16.
+  // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16.
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
