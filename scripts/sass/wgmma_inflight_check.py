@@ -89,8 +89,7 @@ class Instr:
             per_reg = 4 if re.search(r"x\d+\.F16", self.op) else 2  # f16 accumulators: 2 per register
             # An RZ accumulator (ptxas emits "HGMMA.64x8x16.F16 RZ, gdesc[URZ], RZ, !UPT, gsb0"
             # as an empty group) writes no register.
-            first = min(acc) if acc else None
-            self.acc = set(range(first, first + n * 2 // per_reg // 2)) if acc else set()  # 64 x N per 128 threads
+            self.acc = set(range(min(acc), min(acc) + n * 2 // per_reg // 2)) if acc else set()  # 64 x N per 128 threads
             a = _regs(self.operands[1]) if self.operands[1].startswith("R") else set()
             self.a = set(range(min(a), min(a) + 4)) if a else set()  # 64xNxK A fragment: 4 regs
             self.commits = "gsb0" in text

@@ -124,7 +124,6 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
   } else {
     // Softcap needs tanh' next to dP^T: P and dS^T in one pass after both GEMMs, which keeps only
     // S^T and dP^T live next to dK/dV.
-    if constexpr (Tr::kStatsLds) load_stat(dpsum, dpsum_v);
     warpgroup_wait<0 + kAhead>();
     warpgroup_fence_operand(tSrS);
     warpgroup_fence_operand(tdPrdP);

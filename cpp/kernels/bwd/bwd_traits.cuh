@@ -193,8 +193,9 @@ struct BwdTraitsT {
   // Experiment (issue 29, A/B pending): FA3_BWD_HD128_STATS_LDS, the banded hd128 tile too
   // (FA3's form: 16 LDS per step where ours has 32 SHFL; ncu hd128 causal 8k: our MIO stall
   // share twice FA3's; spill-free, loop 669 -> 650 instructions). The 80-row tile spilled 112 B.
+  // p_and_ds loads D for this form on its overlap path only (kOverlapP, no softcap).
   static constexpr bool kStatsLds =
-      !kSoftcap && (kHeadDim < 128 || (FA3_BWD_HD128_STATS_LDS && kHeadDim == 128 && kOverlapP)) && kDQSmem;
+      kOverlapP && !kSoftcap && (kHeadDim < 128 || (FA3_BWD_HD128_STATS_LDS && kHeadDim == 128)) && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less
