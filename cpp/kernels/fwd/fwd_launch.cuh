@@ -71,8 +71,8 @@ struct FwdTileTable<E, 96> {
 // against the banded kernel with 3 stages and one Q buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%).
 // Experiment (issue 29, A/B pending): FA3_FWD_HD128_PAD_KEYS, this table's fixed block cost in
 // the padded-work model (unset: kFwdPadBlockKeys, 8, narrow at 512-4k keys; 24: the 176-key
-// tile at every length). Session 30's H100 run read non-causal 4k 588.7 against 8k 657.3 (+11.7%; FA3 +2.1%,
-// cuDNN +6.1%): the narrow tile may lose from 2k or 4k.
+// tile at every length). Session 30's H100 run read non-causal 4k 588.7 against 8k 657.3
+// (+11.7%; FA3 +2.1%, cuDNN +6.1%): the narrow tile may lose from 2k or 4k.
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
