@@ -54,8 +54,9 @@ def test_fwd_key_block_of_every_forward_kernel():
     """fwd_key_block reports the key block of the tile the launcher picks, for every compiled
     forward kernel and the problems that pick different tiles: a key block a WGMMA takes
     (multiples of 16 up to 256; FP8's P V steps K by 32). FP8 hd128 runs unbanded problems on
-    96 keys (three warpgroups), long bands on 192 keys, shorter bands on 128; a head dim no
-    kernel holds gives None."""
+    96 keys (three warpgroups), long bands on 192 keys, shorter bands on 128; FP8 hd256 every
+    problem on 96; bf16 hd128 unbanded problems on 128 keys up to 2k and 176 from 4k; a head
+    dim no kernel holds gives None."""
     U = _masks.UNBOUNDED
     problems = [(512, 512, U, U), (8192, 8192, U, U), (1000, 1000, U, 0), (4100, 4100, U, 0),
                 (300, 700, 100, 20)]
@@ -71,6 +72,14 @@ def test_fwd_key_block_of_every_forward_kernel():
         assert block(4100, 4100, 4200, 30) == 192  # a window of 4231 keys
         assert block(4100, 4100, 1 << 40, 0) == 192  # bounds past the kernels' range are clamped
         assert block(4000, 4000, U, 0) == block(4100, 4100, 1000, 0) == 128
+    if ("float8_e4m3fn", 256) in _ffi.build_info()["fwd"]:
+        block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 256, 256)
+        assert {block(*problem) for problem in problems} == {96}
+    if ("bfloat16", 128) in _ffi.build_info()["fwd"]:
+        block = functools.partial(_ffi.fwd_key_block, "bfloat16", 128, 128)
+        assert block(512, 512, U, U) == block(1000, 1000, U, U) == block(2048, 2048, U, U) == 128
+        assert block(4096, 4096, U, U) == block(8192, 8192, U, U) == 176  # kNarrowMaxKeys
+        assert block(4096, 4096, U, 0) == 128  # banded
     assert _ffi.fwd_key_block("bfloat16", 264, 264, 128, 128, U, U) is None  # no such kernel
 
 

@@ -148,10 +148,6 @@ CUTE_HOST_DEVICE constexpr auto make_mma_dq() {
   }
 }
 
-#ifndef FA3_BWD_HD128_STATS_LDS
-#define FA3_BWD_HD128_STATS_LDS 0
-#endif
-
 // Traits of one (element, head dim, softcap, tile); BwdTraits / BwdTraitsHd128Full above.
 template <typename Element_, int kHeadDim_, bool kSoftcap_, class Tile_>
 struct BwdTraitsT {
@@ -190,12 +186,10 @@ struct BwdTraitsT {
   // kStatsLds: hd64/96 (non-softcap) load each thread's own statistic columns with LDS.64
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
-  // Experiment (issue 29, A/B pending): FA3_BWD_HD128_STATS_LDS, the banded hd128 tile too
-  // (FA3's form: 16 LDS per step where ours has 32 SHFL; ncu hd128 causal 8k: our MIO stall
-  // share twice FA3's; spill-free, loop 669 -> 650 instructions). The 80-row tile spilled 112 B.
-  // p_and_ds loads D for this form on its overlap path only (kOverlapP, no softcap).
-  static constexpr bool kStatsLds =
-      kOverlapP && !kSoftcap && (kHeadDim < 128 || (FA3_BWD_HD128_STATS_LDS && kHeadDim == 128)) && kDQSmem;
+  // The banded hd128 tile keeps the shuffles: LDS there (FA3's form, 16 per step for our 32 SHFL)
+  // measured level to -3.6% (H100, ABBA, causal 8k the most). D is loaded for this form on
+  // p_and_ds's overlap path only, hence kOverlapP.
+  static constexpr bool kStatsLds = kOverlapP && !kSoftcap && kHeadDim < 128 && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less

@@ -65,23 +65,22 @@ struct FwdTileTable<E, 96> {
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
 // lost at short causal (up to -13%); on bands of >= 4096 rows and keys only, it measured level
 // at causal 4k / 8k (session 29).
-// Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow: non-causal 512-4k
-// keys) run the narrow tile on its own kernel: 128 x 128, 2 stages, unbanded, so two Q buffers
-// fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads the next tile's Q a tile ahead (H200,
-// against the banded kernel with 3 stages and one Q buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%).
-// Experiment (issue 29, A/B pending): FA3_FWD_HD128_PAD_KEYS, this table's fixed block cost in
-// the padded-work model (unset: kFwdPadBlockKeys, 8, narrow at 512-4k keys; 24: the 176-key
-// tile at every length). Session 30's H100 run read non-causal 4k 588.7 against 8k 657.3
-// (+11.7%; FA3 +2.1%, cuDNN +6.1%): the narrow tile may lose from 2k or 4k.
+// Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow: non-causal
+// 512-4k keys) up to kNarrowMaxKeys = 2k run the narrow tile on its own kernel: 128 x 128, 2
+// stages, unbanded, so two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads
+// the next tile's Q a tile ahead (H200, against the banded kernel with 3 stages and one Q
+// buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%). The padding is 3.1% of 176 at every length
+// from 512 to 4k, so the padded-work model cannot tell 4k from 512; measured, the 176-key tile
+// wins at 4k, where each tile runs twice the blocks of 2k and the Q prefetch counts half as much
+// (H100, ABBA: 176 keys over the narrow tile at nc 512 / 1k / 2k / 4k -1.4 / -2.6 / +0.8 /
+// +7.0%).
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
-#ifdef FA3_FWD_HD128_PAD_KEYS
-  static constexpr int64_t kPadBlockKeys = FA3_FWD_HD128_PAD_KEYS;
-#endif
+  static constexpr int64_t kNarrowMaxKeys = 2048;
 };
 // d = 192 and 256: no ping-pong (the GEMMs dominate a block; see kPingPong above) and one
 // kernel with the band mask for all problems. Compiled spill-free but not measured on a quiet
@@ -122,9 +121,9 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   +11%, 16k +14% over 128 x 128; FA3's 128 x 224 measured level at 16k and -5% at 2k).
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
 //   d = 256: with ping-pong, which at d = 256 the bf16 tiles do without: short blocks' GEMMs are
-//   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal). Banded:
-//   128 x 64, 3 stages: 2 x 32 + 3 x 48 = 208 KB; O 128 + S 32 + P 8 (a 128-key block would need
-//   2 stages at 224 KB and O 128 + S 64 + P 16 of the 224 consumer registers; it hung).
+//   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal); 96-key blocks
+//   below (a 128-key block would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224
+//   consumer registers; it hung).
 using Fp8 = cutlass::float_e4m3_t;
 // d = 64 narrow: 192 x 128 for short unbanded problems, where 160-key blocks pad the most (512
 // keys: 640 of work, 1k: 1120); a block's fixed cost of ~24 keys (kPadBlockKeys) puts the switch
@@ -142,38 +141,23 @@ struct FwdTileTable<Fp8, 64> {
 // S 48 + P 12 of 160 registers, spill-free; the producer warpgroup, on 32, spills 20 B). hd128 ran
 // at ~45% of both its MUFU and its tensor bound on 128 x 192, so latency bound it, and a third
 // warpgroup hides it as at hd64 (H100, ABBA: 16k +5.5%, 2k +1.2% over 128 x 192).
-// Experiment (issue 28, A/B pending): FA3_FP8_HD128_LONG_3WG, long bands on the unbanded tile's
-// shape, 192 x 96 on three warpgroups with the band mask (as bf16 hd64's long bands).
-#ifndef FA3_FP8_HD128_LONG_3WG
-#define FA3_FP8_HD128_LONG_3WG 0
-#endif
+// (Long bands on that shape, 192 x 96 on three warpgroups with the band mask, measured level:
+// H100, ABBA, causal 16k +0.6%.)
 template <>
 struct FwdTileTable<Fp8, 128> {
   using full = FwdTraits<Fp8, 128, 192, 96, 4, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
-#if FA3_FP8_HD128_LONG_3WG
-  using long_banded = FwdTraits<Fp8, 128, 192, 96, 4, true, true>;
-#else
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
-#endif
   static constexpr int kLongBand = 4096;
 };
-// d = 256 unbanded: 128 x 96, 2 stages (2 x 32 + 2 x 72 = 208 KB; O 128 + S 48 + P 12 of 224
-// registers, spill-free): a block's row max, rescale and hand-offs shared over 96 keys, not 64
-// (H100, ABBA: 2k +6.7%, 16k +9.3% over 128 x 64 with 3 stages).
-// Experiment (issue 28, A/B pending): FA3_FP8_HD256_BANDED_96, banded problems on 96 keys too
-// (2 stages), as the unbanded tile.
-#ifndef FA3_FP8_HD256_BANDED_96
-#define FA3_FP8_HD256_BANDED_96 0
-#endif
+// d = 256: 128 x 96, 2 stages (2 x 32 + 2 x 72 = 208 KB; O 128 + S 48 + P 12 of 224 registers,
+// spill-free), banded or not: a block's row max, rescale and hand-offs shared over 96 keys, not
+// 64 (H100, ABBA, over 128 x 64 with 3 stages: non-causal 2k +6.7%, 16k +9.3%; causal 2k
+// +4.8%, 16k +7.1%).
 template <>
 struct FwdTileTable<Fp8, 256> {
   using full = FwdTraits<Fp8, 256, 128, 96, 2, true, false>;
-#if FA3_FP8_HD256_BANDED_96
   using banded = FwdTraits<Fp8, 256, 128, 96, 2, true, true>;
-#else
-  using banded = FwdTraits<Fp8, 256, 128, 64, 3, true, true>;
-#endif
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
@@ -292,9 +276,10 @@ inline int64_t band_width(const FwdParams& fp) {
 // model a tile's time per query row as blocks x (kBlockN + kFwdPadBlockKeys), that fixed cost
 // counted in key columns, and take the narrow tile when it is cheaper. Break-even costs: d = 128
 // (176 vs 128) 16 keys at 512-4k, 4.7 at 8k-16k; d = 256 (80 vs 64) 48 at 512, 5.3 at 1k-4k,
-// 1.9 at 8k. With 8: narrow at d = 128 512-4k and d = 256 512, the wide tile elsewhere (H200,
-// with the 8-byte O stores and the one-compare mask: hd256 non-causal 512 +14%, hd128 512-1k
-// +4..+8%). Same query tile both ways (kBlockM 128), so only the key side differs.
+// 1.9 at 8k. With 8: narrow at d = 128 512-4k (kNarrowMaxKeys caps it at 2k) and d = 256 512,
+// the wide tile elsewhere (H200, with the 8-byte O stores and the one-compare mask: hd256
+// non-causal 512 +14%, hd128 512-1k +4..+8%). Same query tile both ways (kBlockM 128), so only
+// the key side differs.
 constexpr int64_t kFwdPadBlockKeys = 8;
 
 inline bool fwd_pad_prefers_narrow(int64_t seqlen_k, int64_t wide_n, int64_t narrow_n,
@@ -312,6 +297,14 @@ struct PadBlockKeys : std::integral_constant<int64_t, kFwdPadBlockKeys> {};
 template <class Table>
 struct PadBlockKeys<Table, std::void_t<decltype(Table::kPadBlockKeys)>>
     : std::integral_constant<int64_t, Table::kPadBlockKeys> {};
+
+// The longest key length a table runs its narrow tile at (`kNarrowMaxKeys`), where it measured
+// one; else no bound.
+template <class Table, class = void>
+struct NarrowMaxKeys : std::integral_constant<int64_t, INT64_MAX> {};
+template <class Table>
+struct NarrowMaxKeys<Table, std::void_t<decltype(Table::kNarrowMaxKeys)>>
+    : std::integral_constant<int64_t, Table::kNarrowMaxKeys> {};
 
 // A table's narrower tile for unbanded problems (`narrow`), where it has one; else `full`.
 template <class Table, class = void>
@@ -338,7 +331,8 @@ auto with_fwd_tile(const FwdParams& fp, F&& f) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
     static_assert(Narrow::kBlockM == Full::kBlockM, "the padded-work model compares key blocks only");
-    if (fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN, PadBlockKeys<Table>::value))
+    if (fp.shape.seqlen_k <= NarrowMaxKeys<Table>::value &&
+        fwd_pad_prefers_narrow(fp.shape.seqlen_k, Full::kBlockN, Narrow::kBlockN, PadBlockKeys<Table>::value))
       return f(TileTag<Narrow>{});
     return f(TileTag<Full>{});
   }
