@@ -135,7 +135,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
   auto kernel = [&] {
     if constexpr (IsSplitD<Tr>::value)
       return p.docs.present() ? bwd_split_d_kernel<Tr, true> : bwd_split_d_kernel<Tr, false>;
-    else if constexpr (Tr::kNoDocs) return bwd_main_kernel<Tr, false>;
+    else if constexpr (Tr::kNoBand) return bwd_main_kernel<Tr, false>;  // never has documents
     else return p.docs.present() ? bwd_main_kernel<Tr, true> : bwd_main_kernel<Tr, false>;
   }();
   // Per call (cheap, no sync): the attribute is per device, and a static flag would be global state.
@@ -167,12 +167,6 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
-#if FA3_BWD_HD128_BANDED_80
-    if (!(p.opts.softcap > 0.f) && !p.docs.present()) {
-      using Banded80 = BwdTraitsHd128Banded80<Element>;
-      return f(TraitsTag<Banded80>{}, TraitsTag<Banded80>{});
-    }
-#endif
   }
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},
            TraitsTag<BwdTraitsFor<Element, kHeadDim, true>>{});

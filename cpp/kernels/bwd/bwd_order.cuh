@@ -103,10 +103,9 @@ struct BwdTailSplit {
 };
 
 // Whether the main kernel can run a tail unit split over several CTAs: one pass over the query
-// blocks (dK/dV whole in registers at the end). Not a tile launched only with a band (kNoDocs
-// without kNoBand): bands never split, so its tail kernel would be dead code.
+// blocks (dK/dV whole in registers at the end).
 template <class Tr>
-constexpr bool kTailSplitOk = Tr::kPasses == 1 && !(Tr::kNoDocs && !Tr::kNoBand);
+constexpr bool kTailSplitOk = Tr::kPasses == 1;
 
 // Host: the split of `num_tiles` equal units of `m_len` query blocks (times `group` query heads)
 // on num_sms SMs, one CTA per SM: the `parts` that minimises the tail's modelled time,

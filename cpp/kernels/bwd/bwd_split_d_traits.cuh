@@ -50,7 +50,6 @@ struct SplitDTraits {
   static constexpr int kStagesPdS = 2; // P/dS buffers: the next step writes while the other
                                        // warpgroup may still read this step's (no extra barrier)
   static constexpr int kPasses = 1;    // one walk over the query blocks (no column passes)
-  static constexpr bool kNoBand = false, kNoDocs = false;  // launched for every problem
   static constexpr int kHdWg = kHeadDim / kNumMmaWG;  // dK^T/dV^T rows per warpgroup
   // dQ in two column chunks of 128, each split 64/64 between the warpgroups, in the dQ WGMMA's
   // fragment order like the main kernel's, so the accumulator layout and bwd_postprocess are shared.

@@ -73,8 +73,9 @@ template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP 
 
 // hd128 at 80 query rows per step for problems without a band (FA3's non-causal hd128 step,
 // +12-15% at non-causal 512-16k): run_bwd_impl (bwd_launch.cuh) picks it for non-causal,
-// non-local, non-softcap problems; banded ones keep BwdTile<128>. 25% more work per step for the
-// same per-step fixed costs (stage wait/release, dS barrier, dQ hand-off and bulk reduce). 80 rows
+// non-local, non-softcap problems; banded ones keep BwdTile<128> (on this tile with the band
+// mask, causal 512-16k measured -6..-12%: it lacks the two overlaps). 25% more work per step for
+// the same per-step fixed costs (stage wait/release, dS barrier, dQ hand-off and bulk reduce). 80 rows
 // cannot be the M side of a WGMMA, so the dQ GEMM is swapped (kDQSwapAB):
 // dQ^T = K^T dS^T, M = head dim (the warpgroups split it), N = 80 queries, A = K^T and B = dS
 // both MN-major from shared memory; the dQ accumulator holds each warpgroup's (64 d x 80 q)
@@ -89,19 +90,6 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
-// Experiment (issue 29, A/B pending): FA3_BWD_HD128_BANDED_80, banded hd128 problems (causal,
-// local; not softcap, not documents) on the 80-row step too, with the band mask: the same 25%
-// more work per step's fixed costs that gave non-causal +12-15%, against more masked rows on the
-// diagonal (128 keys meet up to three 80-row steps). FA3 keeps 64 rows for causal.
-#ifndef FA3_BWD_HD128_BANDED_80
-#define FA3_BWD_HD128_BANDED_80 0
-#endif
-struct BwdTileHd128Banded80 {
-  static constexpr int kBlockM = 80, kBlockMSdP = 80, kStages = 2, kStagesdS = 2, kPasses = 1;
-  static constexpr bool kDQSmem = true, kOverlapP = false, kOverlapDK = false;
-  static constexpr bool kDQSwapAB = true;
-  static constexpr bool kNoDocs = true;  // launched only for problems without documents
-};
 // kDQSwapAB, kDQSplitM, kNoBand of a tile (false where the tile does not say). kNoBand: the host
 // launches the tile only for problems without a band (bwd_launch.cuh), so the element mask is the
 // key bound.
@@ -111,8 +99,6 @@ template <class T, class = void> struct TileDQSplitM : std::false_type {};
 template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
 template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
-template <class T, class = void> struct TileNoDocs : std::bool_constant<TileNoBand<T>::value> {};
-template <class T> struct TileNoDocs<T, std::void_t<decltype(T::kNoDocs)>> : std::bool_constant<T::kNoDocs> {};
 
 // Traits of one (element, head dim, softcap, tile): BwdTraitsT below. BwdTraits is the tile
 // table's instantiation (a derived type, so the kernels keep their names); BwdTraitsHd128Full the
@@ -123,8 +109,6 @@ template <typename Element, int kHeadDim, bool kSoftcap>
 struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
 template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
-template <typename Element>
-struct BwdTraitsHd128Banded80 : BwdTraitsT<Element, 128, false, BwdTileHd128Banded80> {};
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -192,7 +176,6 @@ struct BwdTraitsT {
   // dQ = dS K split by query rows across the warpgroups, not by columns (hd64).
   static constexpr bool kDQSplitM = TileDQSplitM<Tile>::value;
   static constexpr bool kNoBand = TileNoBand<Tile>::value;
-  static constexpr bool kNoDocs = TileNoDocs<Tile>::value;  // never launched with documents
   // Issue every sub-step's S^T/dP^T at the top of the step (kSubM > 1, i.e. hd64; not with
   // softcap, which then spills 8 B): see bwd_main.cuh. +4..+11% at 4k-16k with kDQSplitM.
   static constexpr bool kSdPAhead = kSubM > 1 && !kSoftcap;
