@@ -143,14 +143,9 @@ struct FwdTileTable<Fp8, 64> {
 // warpgroup hides it as at hd64 (H100, ABBA: 16k +5.5%, 2k +1.2% over 128 x 192).
 // (Long bands on that shape, 192 x 96 on three warpgroups with the band mask, measured level:
 // H100, ABBA, causal 16k +0.6%.)
-// Experiment (issue 28, A/B pending): FA3_FP8_HD128_3WG_STAGES, that tile's ring depth (4; 5
-// fits: 24 + 5 x 36 = 204 KB).
-#ifndef FA3_FP8_HD128_3WG_STAGES
-#define FA3_FP8_HD128_3WG_STAGES 4
-#endif
 template <>
 struct FwdTileTable<Fp8, 128> {
-  using full = FwdTraits<Fp8, 128, 192, 96, FA3_FP8_HD128_3WG_STAGES, true, false>;
+  using full = FwdTraits<Fp8, 128, 192, 96, 4, true, false>;
   using banded = FwdTraits<Fp8, 128, 128, 128, 3, true, true>;
   using long_banded = FwdTraits<Fp8, 128, 128, 192, 2, true, true>;
   static constexpr int kLongBand = 4096;

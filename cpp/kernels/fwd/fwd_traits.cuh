@@ -68,17 +68,10 @@ struct FwdTraits {
   // time, where the registers are needed elsewhere: the three-consumer tiles (hd64 and hd128
   // unbanded).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
-  // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16.
-  // Experiment (issue 28, A/B pending): FA3_FP8_HD128_3WG_REGS56, hd128's three-warpgroup tile on
-  // 56 / 152 (128 * 56 + 384 * 152 = 65536): the transposers leave the 32-register form (20 B of
-  // spills, one tile's loads at a time) for two tiles at a time, spill-free; the consumers peak
-  // at R147 either way (hd64's 192 x 160 spills 96 B on 152).
-#ifndef FA3_FP8_HD128_3WG_REGS56
-#define FA3_FP8_HD128_3WG_REGS56 0
-#endif
-  static constexpr bool k3WGRegs56 = FA3_FP8_HD128_3WG_REGS56 && kFp8 && kHeadDim == 128;
-  static constexpr int kProducerRegs = kNumMmaWG == 3 ? (k3WGRegs56 ? 56 : 32) : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? (k3WGRegs56 ? 152 : 160) : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
+  // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16. (hd128 on
+  // 56 / 152, its transposers spill-free and two tiles at a time, measured -5..-7%.)
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
