@@ -69,8 +69,8 @@ struct FwdTileTable<E, 96> {
 // 512-4k keys) up to kNarrowMaxKeys = 2k run the narrow tile on its own kernel: 128 x 128, 2
 // stages, unbanded, so two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads
 // the next tile's Q a tile ahead (H200, against the banded kernel with 3 stages and one Q
-// buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%). The padding is 3.1% of 176 at every length
-// from 512 to 4k, so the padded-work model cannot tell 4k from 512; measured, the 176-key tile
+// buffer: nc 512 / 1k / 4k +2.3 / +2.5 / +1.1%). 176-key blocks pad 3.1% at every length from
+// 512 to 4k, so the padded-work model cannot tell 4k from 512; measured, the 176-key tile
 // wins at 4k, where each tile runs twice the blocks of 2k and the Q prefetch counts half as much
 // (H100, ABBA: 176 keys over the narrow tile at nc 512 / 1k / 2k / 4k -1.4 / -2.6 / +0.8 /
 // +7.0%).
@@ -117,8 +117,8 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   Banded: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; O 32 + S 64 + P 16.
 //   d = 128 long bands: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24,
 //   spill-free at 224. Wider blocks share each row's max, rescale and hand-offs over more keys,
-//   which FP8's twice-as-fast GEMMs expose (as the unbanded tile, H200, 16k tokens: 2k +14%, 8k
-//   +11%, 16k +14% over 128 x 128; FA3's 128 x 224 measured level at 16k and -5% at 2k).
+//   which FP8's twice-as-fast GEMMs expose (measured when it was the unbanded tile too, H200, 16k
+//   tokens: 2k +14%, 8k +11%, 16k +14% over 128 x 128; FA3's 128 x 224 level at 16k, -5% at 2k).
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
 //   d = 256: with ping-pong, which at d = 256 the bf16 tiles do without: short blocks' GEMMs are
 //   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal); 96-key blocks
