@@ -155,7 +155,10 @@ def test_flag_errors(train_llm, tmp_path, capsys):
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exc:
-            train_llm.main(argv + ["--no-progress", "--preset", "cpu-tiny"])
+            # A fresh --out-dir first (a case's own comes later and wins): the default one is the
+            # working directory's out/train_llm, where the README's main job leaves a run that
+            # is refused before these flags are read.
+            train_llm.main(["--out-dir", str(tmp_path / "fresh"), *argv, "--no-progress", "--preset", "cpu-tiny"])
         assert exc.value.code == 2
         assert message in capsys.readouterr().err, argv
 
