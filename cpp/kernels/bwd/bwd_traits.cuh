@@ -61,26 +61,28 @@ template <int kHeadDim> struct BwdTile;
 //     need 224 KB + stats). dQ split by rows across the warpgroups (kDQSplitM, FA3's hd64
 //     AtomLayoutMdQ = 2: 2/3 of the dQ GEMM's smem operand bytes, half the HGMMAs; +4..+11% at
 //     4k-16k together with kSdPAhead).
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; static constexpr bool kDQSplitM = true; };
+// Experiment (A/B pending): FA3_BWD_HD{64,96,192}_OVERLAP_DK=0 waits for dK at each step's end,
+// as hd128 does since session 32.
+#ifndef FA3_BWD_HD64_OVERLAP_DK
+#define FA3_BWD_HD64_OVERLAP_DK 1
+#endif
+#ifndef FA3_BWD_HD96_OVERLAP_DK
+#define FA3_BWD_HD96_OVERLAP_DK 1
+#endif
+#ifndef FA3_BWD_HD192_OVERLAP_DK
+#define FA3_BWD_HD192_OVERLAP_DK 1
+#endif
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD64_OVERLAP_DK; static constexpr bool kDQSplitM = true; };
 // 96: dK+dV 96 regs; smem 24+24 + 3 x 24 (Q,dO) + 16 + 24 (dQ) KB: 3 stages (short steps).
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
-// 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32, dS^T in flight 16: fits 240; smem 32+32 + 64 + 32
-//      + 32 (dQ) = 192 KB: 2 stages (3 fit exactly but were level, -2..+2%, at causal).
-// Experiments (issue 29, A/B pending): FA3_BWD_HD128_OVERLAP_DK=0 waits for dK at the end of
-// each step, as FA3's causal step does, so a Q stage is released a step earlier (with the overlap
-// the TMA for step i+2 starts only after step i+1's S^T); FA3_BWD_HD128_STAGES=3 (224 KB) gives
-// the ring that step another way. Both measured level in session 6, before the late dQ
-// hand-off and the other step changes since; all three forms compile spill-free.
-#ifndef FA3_BWD_HD128_STAGES
-#define FA3_BWD_HD128_STAGES 2
-#endif
-#ifndef FA3_BWD_HD128_OVERLAP_DK
-#define FA3_BWD_HD128_OVERLAP_DK 1
-#endif
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD128_STAGES, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD128_OVERLAP_DK; };
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD96_OVERLAP_DK; };
+// 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32; smem 32+32 + 64 + 32 + 32 (dQ) = 192 KB: 2 stages.
+//      dK is waited for at the end of each step, as in FA3's causal step: the Q stage goes back
+//      a step earlier, so the TMA for step i+2 overlaps step i+1 (causal 1k-16k +1..+5% against
+//      the dK overlap, H100, session 32; a third stage, alone or with this, was no better).
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = false; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer);
 //      both overlaps (0 B spills, 8 B with softcap, where P is not overlapped).
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = FA3_BWD_HD192_OVERLAP_DK; };
 
 // hd128 at 80 query rows per step for problems without a band (FA3's non-causal hd128 step,
 // +12-15% at non-causal 512-16k): run_bwd_impl (bwd_launch.cuh) picks it for non-causal,
