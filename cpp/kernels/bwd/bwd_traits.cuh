@@ -61,20 +61,9 @@ template <int kHeadDim> struct BwdTile;
 //     need 224 KB + stats). dQ split by rows across the warpgroups (kDQSplitM, FA3's hd64
 //     AtomLayoutMdQ = 2: 2/3 of the dQ GEMM's smem operand bytes, half the HGMMAs; +4..+11% at
 //     4k-16k together with kSdPAhead).
-// Experiment (A/B pending): FA3_BWD_HD{64,96,192}_OVERLAP_DK=0 waits for dK at each step's end,
-// as hd128 does since session 32.
-#ifndef FA3_BWD_HD64_OVERLAP_DK
-#define FA3_BWD_HD64_OVERLAP_DK 1
-#endif
-#ifndef FA3_BWD_HD96_OVERLAP_DK
-#define FA3_BWD_HD96_OVERLAP_DK 1
-#endif
-#ifndef FA3_BWD_HD192_OVERLAP_DK
-#define FA3_BWD_HD192_OVERLAP_DK 1
-#endif
-template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD64_OVERLAP_DK; static constexpr bool kDQSplitM = true; };
+template <> struct BwdTile<64>  { static constexpr int kBlockM = 128, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; static constexpr bool kDQSplitM = true; };
 // 96: dK+dV 96 regs; smem 24+24 + 3 x 24 (Q,dO) + 16 + 24 (dQ) KB: 3 stages (short steps).
-template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD96_OVERLAP_DK; };
+template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 3, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = true; };
 // 128: dK+dV 128 regs, S^T+dP^T 64, dQ 32; smem 32+32 + 64 + 32 + 32 (dQ) = 192 KB: 2 stages.
 //      dK is waited for at the end of each step, as in FA3's causal step: the Q stage goes back
 //      a step earlier, so the TMA for step i+2 overlaps step i+1 (causal 1k-16k +1..+5% against
@@ -82,7 +71,7 @@ template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP 
 template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = false; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer);
 //      both overlaps (0 B spills, 8 B with softcap, where P is not overlapped).
-template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = FA3_BWD_HD192_OVERLAP_DK; };
+template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
 
 // hd128 at 80 query rows per step for problems without a band (FA3's non-causal hd128 step,
 // +12-15% at non-causal 512-16k): run_bwd_impl (bwd_launch.cuh) picks it for non-causal,
