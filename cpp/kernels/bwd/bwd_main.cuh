@@ -27,10 +27,6 @@
 #include "common/softmax.cuh"
 #include "common/utils.cuh"
 
-#ifndef FA3_BWD_STATS_EARLY
-#define FA3_BWD_STATS_EARLY 0
-#endif
-
 namespace fa3 {
 namespace bwd {
 
@@ -42,15 +38,6 @@ CUTE_DEVICE float shfl_idx_seg3(uint32_t mask, float v, int base) {
   return r;
 }
 
-// A lane's share of one per-query statistic (LSE or D) of a sub-step: columns 64h + 2L and
-// 64h + 2L + 1 of each full group of 64 (p_and_ds shuffles them to the threads that need them).
-using StatPair = float2;
-template <int kCols>
-CUTE_DEVICE void load_stat_pairs(const float* sm, int ct, StatPair (&r)[kCols / 64]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int c64 = 0; c64 < kCols / 64; ++c64) r[c64] = *reinterpret_cast<const StatPair*>(sm + c64 * 64 + 2 * (ct % 32));
-}
-
 // The consumers' per-sub-step math, once its S^T and dP^T are issued: P^T = exp2(S^T * scale_log2
 // - lse_log2) in place of S^T, dS^T = P^T o (dP^T - D) (o tanh' with softcap) in place of dP^T;
 // rows = keys, columns = queries (the sub-step's first query q0). lse and dpsum point at the
@@ -60,9 +47,7 @@ CUTE_DEVICE void load_stat_pairs(const float* sm, int ct, StatPair (&r)[kCols / 
 // in flight (kSdPAhead).
 template <class Tr, int kAhead, bool kDocs, class FragS, class CoordS, class FragK, class Release>
 CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& tdPrdP,
-                          CoordS const& tScS, const float* lse, const float* dpsum,
-                          StatPair const (&lse_r)[Tr::kBlockMSdP / 64], StatPair const (&dpsum_r)[Tr::kBlockMSdP / 64],
-                          int ct, bool need_mask,
+                          CoordS const& tScS, const float* lse, const float* dpsum, int ct, bool need_mask,
                           int q0, int b, bool release_prev, FragK& tdKrdK, Release const& release, int prev_stage) {
   constexpr int kBlockMSdP = Tr::kBlockMSdP;
   // Per-query statistics of accumulator element i (column get<1>(tScS(i))). Lane L keeps columns
@@ -72,7 +57,12 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
   // statistic instead of up to kBlockMSdP/4 loaded values. A partial last group of 64 columns
   // (80 rows: columns 64..79) is not shuffled: each thread reads its own 4 columns there from
   // shared memory (fewer live registers).
-  // The lane's pairs (lse_r, dpsum_r) are loaded by the caller (load_stat_pairs).
+  float2 lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
+  CUTLASS_PRAGMA_UNROLL
+  for (int c64 = 0; c64 < kBlockMSdP / 64; ++c64) {
+    lse_r[c64] = *reinterpret_cast<const float2*>(lse + c64 * 64 + 2 * (ct % 32));
+    dpsum_r[c64] = *reinterpret_cast<const float2*>(dpsum + c64 * 64 + 2 * (ct % 32));
+  }
   // kStatsLds: the thread's own columns 8 j + 2 (lane % 4) + {0, 1} (element i = e + 2 r + 4 j,
   // as above) as kBlockMSdP / 8 float2 loads: LSE here, under the S^T wait, D after the
   // exponentials, under the dP^T wait.
@@ -83,7 +73,7 @@ CUTE_DEVICE void p_and_ds(MainParams<Tr> const& p, int n0, FragS& tSrS, FragS& t
     for (int j = 0; j < kStatsV; ++j) v[j] = *reinterpret_cast<const float2*>(sm + 8 * j + 2 * (ct % 4));
   };
   if constexpr (Tr::kStatsLds) load_stat(lse, lse_v);
-  auto stat = [&](const float* sm, StatPair const (&r)[kBlockMSdP / 64], float2 const (&v)[kStatsV], int i) {
+  auto stat = [&](const float* sm, float2 const (&r)[kBlockMSdP / 64], float2 const (&v)[kStatsV], int i) {
     if constexpr (Tr::kStatsLds) {
       return (i % 2) ? v[i / 4].y : v[i / 4].x;
     } else if constexpr (Tr::kShflSegLane) {
@@ -308,26 +298,15 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           FragSdP tSrS_own, tdPrdP_own;  // without kSdPAhead: this sub-step's own accumulators
           FragSdP& tSrS = Tr::kSdPAhead ? tSrS_sub[Tr::kSdPAhead ? sub : 0] : tSrS_own;
           FragSdP& tdPrdP = Tr::kSdPAhead ? tdPrdP_sub[Tr::kSdPAhead ? sub : 0] : tdPrdP_own;
-          const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
-          const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
-          StatPair lse_r[kBlockMSdP / 64], dpsum_r[kBlockMSdP / 64];
-          // Experiment (issue 29, A/B pending): FA3_BWD_STATS_EARLY=1 loads the hd128 tiles' LSE
-          // and D pairs before the S^T / dP^T issue, so their shared-memory latency hides under
-          // the GEMMs (ncu, causal 8k: the first shuffle waits on them, ~3% of the samples).
-          constexpr bool kStatsEarly = FA3_BWD_STATS_EARLY && !Tr::kSdPAhead && Tr::kHeadDim == 128;
           if constexpr (!Tr::kSdPAhead) {
-            if constexpr (kStatsEarly) load_stat_pairs<kBlockMSdP>(lse, ct, lse_r);
             wgmma_gemm<true, -1>(mma_sdp, tSrK, tSrQ(_, _, _, sub, 0, stage), tSrS);
             wait_do(sub);
-            if constexpr (kStatsEarly) load_stat_pairs<kBlockMSdP>(dpsum, ct, dpsum_r);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
             if (sub == 0) hand_held_dq();
           }
-          if constexpr (!kStatsEarly) {
-            load_stat_pairs<kBlockMSdP>(lse, ct, lse_r);
-            load_stat_pairs<kBlockMSdP>(dpsum, ct, dpsum_r);
-          }
-          p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, lse_r, dpsum_r, ct, need_mask[sub], q0, b,
+          const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
+          const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
+          p_and_ds<Tr, kAhead, kDocs>(p, n0, tSrS, tdPrdP, tScS, lse, dpsum, ct, need_mask[sub], q0, b,
                                sub == 0 && pending, tdKrdK, release, prev_stage);
           Tensor rP = make_tensor<Element>(tSrS.layout());
           convert_fragment(tSrS, rP);
