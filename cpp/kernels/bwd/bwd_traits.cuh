@@ -53,9 +53,6 @@ using namespace cute;
 //              16-32 registers (dS^T of the step in flight).
 // With the dK overlap a stage is released one step late, so with 2 stages the TMA for step i+2
 // starts only once step i+1 is under way: short steps get a third stage where smem allows.
-#ifndef FA3_BWD_HD128_STATS_LDS
-#define FA3_BWD_HD128_STATS_LDS 0
-#endif
 template <int kHeadDim> struct BwdTile;
 // 64: 128 rows per step as two 64-column sub-steps (FA3's step length; 64-row steps were 6-9%
 //     slower at 2k-8k): half the per-step fixed costs (stage wait/release, dS barrier, dQ GEMM
@@ -195,10 +192,7 @@ struct BwdTraitsT {
   // The banded hd128 tile keeps the shuffles: LDS there (FA3's form, 16 per step for our 32 SHFL)
   // measured level to -3.6% (H100, ABBA, causal 8k the most). D is loaded for this form on
   // p_and_ds's overlap path only, hence kOverlapP.
-  // Experiment (issue 29, A/B pending): FA3_BWD_HD128_STATS_LDS=1 gives the banded hd128 tile
-  // the LDS form again, now that its step waits for dK at its end (session 31's A/B ran with the
-  // dK overlap).
-  static constexpr bool kStatsLds = kOverlapP && !kSoftcap && kDQSmem && (kHeadDim < 128 || (FA3_BWD_HD128_STATS_LDS && kHeadDim == 128 && !kNoBand));
+  static constexpr bool kStatsLds = kOverlapP && !kSoftcap && kHeadDim < 128 && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
   // compares against a row range computed once per CTA (BandMask::interior_row_range) instead
   // of block_is_interior's 64-bit arithmetic per sub-step (hd64: 54 uniform instructions less
