@@ -190,7 +190,8 @@ struct BwdTraitsT {
   // instead (the shuffles took 64 of the MIO queue's issues per warp-step in the MUFU-heavy
   // phases; with kMaskRows and kDsBeforeDv: hd64 +1.1..+4.8%).
   // The banded hd128 tile keeps the shuffles: LDS there (FA3's form, 16 per step for our 32 SHFL)
-  // measured level to -3.6% (H100, ABBA, causal 8k the most). D is loaded for this form on
+  // measured level to -3.6% (H100, ABBA, causal 8k the most), and level again once the step
+  // waited for dK at its end (session 32). D is loaded for this form on
   // p_and_ds's overlap path only, hence kOverlapP.
   static constexpr bool kStatsLds = kOverlapP && !kSoftcap && kHeadDim < 128 && kDQSmem;
   // kMaskRows: the banded smem-dQ tiles test "does the band cut this sub-step?" as two 32-bit
