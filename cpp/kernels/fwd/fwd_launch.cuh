@@ -74,10 +74,17 @@ struct FwdTileTable<E, 96> {
 // wins at 4k, where each tile runs twice the blocks of 2k and the Q prefetch counts half as much
 // (H100, ABBA: 176 keys over the narrow tile at nc 512 / 1k / 2k / 4k -1.4 / -2.6 / +0.8 /
 // +7.0%).
+// Experiment (issue 29, A/B pending): FA3_FWD_HD128_BANDED_STAGES=2 runs the banded tile on 2
+// stages, where two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB), so the next tile's Q loads a
+// tile ahead (Q prefetch, as hd64 banded and the narrow tile); 3 stages won short causal before
+// Q prefetch existed. Targets: causal 512-2k, where our forward is level with FA3 and cuDNN.
+#ifndef FA3_FWD_HD128_BANDED_STAGES
+#define FA3_FWD_HD128_BANDED_STAGES 3
+#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
+  using banded = FwdTraits<E, 128, 128, 128, FA3_FWD_HD128_BANDED_STAGES, true, true>;
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
   static constexpr int64_t kNarrowMaxKeys = 2048;
