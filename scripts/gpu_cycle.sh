@@ -53,8 +53,11 @@ echo "built in $(( $(date +%s) - t0 )) s"
   so=$(python3 -P -c "import jax_fa3._fa3_cuda as m; print(m.__file__)")
   echo "== ptxas (kernels: registers, spills)"
   grep -E "Compiling entry|Used [0-9]+ registers|spill" "$OUT/build.log" | sed 's/^ *//' | sort | uniq -c | head -80
-  echo "== SASS: HGMMA / local-memory instructions per kernel"
-  cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) printf "%s HGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}'
+  # C7512: ptxas serialized a kernel's WGMMAs (too few registers), a wait after each.
+  echo "== ptxas: kernels with serialized WGMMAs (C7512): $(grep -c "C7512" "$OUT/build.log")"
+  grep -E "C7512" "$OUT/build.log" | sed 's/^ *//' | head -20
+  echo "== SASS: WGMMA (HGMMA bf16/fp16, QGMMA FP8) / local-memory instructions per kernel"
+  cuobjdump --dump-sass "$so" | awk '/Function :/{f=$3} /[HQ]GMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) printf "%s WGMMA=%d LDL/STL=%d\n", k, h[k], l[k]+0}'
 } >"$OUT/info.txt" 2>&1
 cat "$OUT/info.txt" | head -60
 fi
