@@ -186,7 +186,7 @@ struct BwdTraitsT {
   // instead of after the next step's S^T / dP^T issue. ncu causal 8k (session 32): our late
   // hand-off's fence took 4.7% of the samples and the dK wait 7.2%; FA3's in-step fence 6.4% and
   // its dK wait 0.4%, the dK GEMM finishing under the fence.
-  static constexpr bool kDQHandoffInStep = FA3_BWD_HD128_DQ_HANDOFF_IN_STEP && kHeadDim == 128 && !kNoBand && kDQSmem;
+  static constexpr bool kDQHandoffInStep = FA3_BWD_HD128_DQ_HANDOFF_IN_STEP && kHeadDim == 128 && !kNoBand;
   // Issue every sub-step's S^T/dP^T at the top of the step (kSubM > 1, i.e. hd64; not with
   // softcap, which then spills 8 B): see bwd_main.cuh. +4..+11% at 4k-16k with kDQSplitM.
   static constexpr bool kSdPAhead = kSubM > 1 && !kSoftcap;

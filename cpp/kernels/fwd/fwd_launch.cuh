@@ -129,8 +129,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
 //   d = 256: with ping-pong, which at d = 256 the bf16 tiles do without: short blocks' GEMMs are
 //   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal); 96-key blocks
-//   below (a 128-key block would need 2 stages at 224 KB and O 128 + S 64 + P 16 of the 224
-//   consumer registers, where ptxas serialized the WGMMAs; on 240: FA3_FP8_HD256_BLOCK_N below).
+//   below (128-key blocks: the open experiment FA3_FP8_HD256_BLOCK_N there).
 using Fp8 = cutlass::float_e4m3_t;
 // d = 64 narrow: 192 x 128 for short unbanded problems, where 160-key blocks pad the most (512
 // keys: 640 of work, 1k: 1120); a block's fixed cost of ~24 keys (kPadBlockKeys) puts the switch
