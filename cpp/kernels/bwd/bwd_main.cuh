@@ -359,7 +359,6 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
             warpgroup_fence_operand(tdQrdQ);
             dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
-            if constexpr (Tr::kDQHandoffInStep) hand_held_dq();
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
           }

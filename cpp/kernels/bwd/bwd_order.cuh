@@ -52,19 +52,13 @@ struct BwdTileOrder {
 // With one, as many (kv head, batch) pairs as keep their Q, dO (input dtype) and fp32 dQ
 // accumulator within ~40 MB of the H200's L2 (FA3 budgets the same), rounded down to a power
 // of two, at least 1. Documents make the work vary as a band does (work_varies).
-// Experiment (issue 29, A/B pending): FA3_BWD_SECTION_MB, the section's L2 budget in MB (default
-// 40). Causal 16k is our widest gap to FA3 (0.93x): its two-head sections (16 MB each with the
-// evict_last hints) overlap the next section's first CTAs; 20 runs one head per section there.
-#ifndef FA3_BWD_SECTION_MB
-#define FA3_BWD_SECTION_MB 40
-#endif
 inline int bwd_order_section(const AttentionShape& s, const AttentionOptions& opts, int elem_bytes,
                              const DocBands& docs = DocBands{}) {
   if (!work_varies(s, opts, docs)) return 1;
   const int heads_kv = s.heads_kv, batch = s.batch;
   const int64_t group = heads_kv > 0 ? s.heads_q / heads_kv : 1;
   const int64_t bytes = group * s.seqlen_q * int64_t(s.head_dim) * (2 * elem_bytes + 4);
-  int64_t fit = (int64_t(FA3_BWD_SECTION_MB) << 20) / (bytes > 0 ? bytes : 1);
+  int64_t fit = (int64_t(40) << 20) / (bytes > 0 ? bytes : 1);
   int section = 1;
   while (int64_t(section) * 2 <= fit) section *= 2;
   const int64_t total = int64_t(heads_kv) * batch;

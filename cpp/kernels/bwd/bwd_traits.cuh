@@ -53,9 +53,6 @@ using namespace cute;
 //              16-32 registers (dS^T of the step in flight).
 // With the dK overlap a stage is released one step late, so with 2 stages the TMA for step i+2
 // starts only once step i+1 is under way: short steps get a third stage where smem allows.
-#ifndef FA3_BWD_HD128_DQ_HANDOFF_IN_STEP
-#define FA3_BWD_HD128_DQ_HANDOFF_IN_STEP 0
-#endif
 template <int kHeadDim> struct BwdTile;
 // 64: 128 rows per step as two 64-column sub-steps (FA3's step length; 64-row steps were 6-9%
 //     slower at 2k-8k): half the per-step fixed costs (stage wait/release, dS barrier, dQ GEMM
@@ -181,12 +178,6 @@ struct BwdTraitsT {
   // dQ = dS K split by query rows across the warpgroups, not by columns (hd64).
   static constexpr bool kDQSplitM = TileDQSplitM<Tile>::value;
   static constexpr bool kNoBand = TileNoBand<Tile>::value;
-  // Experiment (issue 29, A/B pending): FA3_BWD_HD128_DQ_HANDOFF_IN_STEP=1 hands the banded hd128
-  // tile's dQ to the writer right after its stores, before the end-of-step dK wait (FA3's order),
-  // instead of after the next step's S^T / dP^T issue. ncu causal 8k (session 32): our late
-  // hand-off's fence took 4.7% of the samples and the dK wait 7.2%; FA3's in-step fence 6.4% and
-  // its dK wait 0.4%, the dK GEMM finishing under the fence.
-  static constexpr bool kDQHandoffInStep = FA3_BWD_HD128_DQ_HANDOFF_IN_STEP && kHeadDim == 128 && !kNoBand;
   // Issue every sub-step's S^T/dP^T at the top of the step (kSubM > 1, i.e. hd64; not with
   // softcap, which then spills 8 B): see bwd_main.cuh. +4..+11% at 4k-16k with kDQSplitM.
   static constexpr bool kSdPAhead = kSubM > 1 && !kSoftcap;

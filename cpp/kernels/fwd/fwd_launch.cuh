@@ -65,6 +65,11 @@ struct FwdTileTable<E, 96> {
 // tile for bands (spill-free, R219, but only 2 stages fit) gained only at causal 8k (+13%) and
 // lost at short causal (up to -13%); on bands of >= 4096 rows and keys only, it measured level
 // at causal 4k / 8k (session 29).
+// Short bands (a row sees at most kShortBandMaxKeys = 512 keys, so a tile runs at most 4 key
+// blocks) run `short_banded`: the same tile on 2 stages, where two Q buffers fit (2 x 32 + 2 x 2
+// x 32 = 192 KB), so the next tile's Q loads a tile ahead. There Q prefetch outweighs the third
+// stage; from 1k the third stage wins (H100, ABBA, three calls, 2 stages + Q prefetch over 3
+// stages: causal 512 +4.0 / +2.8 / +3.4%, 1k +0.9 / -1.7 / -1.6%, 2k -1.1 / +0.6 / -2.8%).
 // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow: non-causal
 // 512-4k keys) up to kNarrowMaxKeys = 2k run the narrow tile on its own kernel: 128 x 128, 2
 // stages, unbanded, so two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads
@@ -74,17 +79,13 @@ struct FwdTileTable<E, 96> {
 // wins at 4k, where each tile runs twice the blocks of 2k and the Q prefetch counts half as much
 // (H100, ABBA: 176 keys over the narrow tile at nc 512 / 1k / 2k / 4k -1.4 / -2.6 / +0.8 /
 // +7.0%).
-// Experiment (issue 29, A/B pending): FA3_FWD_HD128_BANDED_STAGES=2 runs the banded tile on 2
-// stages, where two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB), so the next tile's Q loads a
-// tile ahead (Q prefetch, as hd64 banded and the narrow tile); 3 stages won short causal before
-// Q prefetch existed. Targets: causal 512 (level with FA3 and cuDNN) to 2k (level with FA3).
-#ifndef FA3_FWD_HD128_BANDED_STAGES
-#define FA3_FWD_HD128_BANDED_STAGES 3
-#endif
 template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
-  using banded = FwdTraits<E, 128, 128, 128, FA3_FWD_HD128_BANDED_STAGES, true, true>;
+  using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
+  using short_banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
+  static_assert(short_banded::kQPrefetch);
+  static constexpr int64_t kShortBandMaxKeys = 512;
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
   static constexpr int64_t kNarrowMaxKeys = 2048;
@@ -129,7 +130,7 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 //   Banded: 128 x 128, 3 stages: 2 x 16 + 3 x 48 = 176 KB; O 64 + S 64 + P 16.
 //   d = 256: with ping-pong, which at d = 256 the bf16 tiles do without: short blocks' GEMMs are
 //   short next to their softmax (64-key blocks, H200, 16k tokens: +14% non-causal); 96-key blocks
-//   below (128-key blocks: the open experiment FA3_FP8_HD256_BLOCK_N there).
+//   below.
 using Fp8 = cutlass::float_e4m3_t;
 // d = 64 narrow: 192 x 128 for short unbanded problems, where 160-key blocks pad the most (512
 // keys: 640 of work, 1k: 1120); a block's fixed cost of ~24 keys (kPadBlockKeys) puts the switch
@@ -160,17 +161,10 @@ struct FwdTileTable<Fp8, 128> {
 // spill-free), banded or not: a block's row max, rescale and hand-offs shared over 96 keys, not
 // 64 (H100, ABBA, over 128 x 64 with 3 stages: non-causal 2k +6.7%, 16k +9.3%; causal 2k
 // +4.8%, 16k +7.1%).
-// Experiment (issue 28, A/B pending): FA3_FP8_HD256_BLOCK_N=128, FA3's 128-key block (one Q
-// buffer: 32 + 2 x 96 = 224 KB; O 128 + S 64 + P 16 on 240 consumer registers, spill-free; the
-// producer warpgroup on 32 spills 12 B outside the block loop). Session 29's 128-key try ran on
-// 224 registers, where ptxas serialized every WGMMA (and it never finished a point).
-#ifndef FA3_FP8_HD256_BLOCK_N
-#define FA3_FP8_HD256_BLOCK_N 96
-#endif
 template <>
 struct FwdTileTable<Fp8, 256> {
-  using full = FwdTraits<Fp8, 256, 128, FA3_FP8_HD256_BLOCK_N, 2, true, false>;
-  using banded = FwdTraits<Fp8, 256, 128, FA3_FP8_HD256_BLOCK_N, 2, true, true>;
+  using full = FwdTraits<Fp8, 256, 128, 96, 2, true, false>;
+  using banded = FwdTraits<Fp8, 256, 128, 96, 2, true, true>;
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::
@@ -273,6 +267,19 @@ struct LongBandTile<Table, std::void_t<typename Table::long_banded>> {
   static constexpr int64_t kMin = Table::kLongBand;
 };
 
+// A table's tile for short bands (`short_banded`, used while a row sees at most
+// `kShortBandMaxKeys` keys), where it has one; else its `banded` tile throughout.
+template <class Table, class = void>
+struct ShortBandTile {
+  using type = typename Table::banded;
+  static constexpr int64_t kMaxKeys = 0;
+};
+template <class Table>
+struct ShortBandTile<Table, std::void_t<typename Table::short_banded>> {
+  using type = typename Table::short_banded;
+  static constexpr int64_t kMaxKeys = Table::kShortBandMaxKeys;
+};
+
 // The most keys a query row can see under the band (window_left + 1 + window_right, at most
 // seqlen_k; 0 or less: rows without keys).
 inline int64_t band_width(const FwdParams& fp) {
@@ -340,6 +347,7 @@ template <typename Element, int kHeadDim, class F>
 auto with_fwd_tile(const FwdParams& fp, F&& f) {
   using Table = FwdTileTable<Element, kHeadDim>;
   using Long = LongBandTile<Table>;
+  using Short = ShortBandTile<Table>;
   if (!work_varies(fp.shape, fp.opts, fp.docs)) {
     using Full = typename Table::full;
     using Narrow = typename NarrowTile<Table>::type;
@@ -357,6 +365,7 @@ auto with_fwd_tile(const FwdParams& fp, F&& f) {
   }
   if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
     return f(TileTag<typename Long::type>{});
+  if (band_width(fp) <= Short::kMaxKeys) return f(TileTag<typename Short::type>{});
   return f(TileTag<typename Table::banded>{});
 }
 

@@ -1,0 +1,84 @@
+// Unit test (host, no GPU) of the forward launcher's tile choice (fwd/fwd_launch.cuh
+// with_fwd_tile): which tile of a head dim's table runs a problem. bf16 hd128: unbanded 512-2k
+// keys on the narrow 128-key tile, from 4k on 176 keys; bands a row of which sees at most 512
+// keys on the 2-stage banded tile with Q prefetch (short_banded), longer bands on the 3-stage
+// one; documents on the banded tile's document form. FP8 hd128: long bands (>= 4096 rows and
+// keys) on 192 keys, FP8 takes no documents. A table without a short or long band tile (bf16
+// hd64's short side, hd256) runs every band on `banded`.
+#include <cstdio>
+#include <string>
+#include <type_traits>
+#include "fwd/fwd_launch.cuh"
+using namespace fa3;
+
+template <class T, class = void>
+struct IsDocs : std::false_type {};
+template <class T>
+struct IsDocs<T, std::void_t<decltype(T::kDocs)>> : std::bool_constant<T::kDocs> {};
+
+struct Choice {
+  int block_m = 0, block_n = 0, stages = 0;
+  bool banded = false, docs = false, none = false;
+};
+
+template <typename E, int D>
+Choice choose(int sq, int sk, int left, int right, bool docs = false) {
+  FwdParams fp;
+  fp.shape = AttentionShape{1, sq, sk, 2, 2, D, D};
+  fp.opts.window_left = left;
+  fp.opts.window_right = right;
+  static const int32_t rows[1] = {0};
+  if (docs) fp.docs.q_rows = rows;
+  return with_fwd_tile<E, D>(fp, [](auto tile) {
+    using T = typename decltype(tile)::type;
+    Choice c;
+    if constexpr (std::is_void_v<T>) {
+      c.none = true;
+    } else {
+      c.block_m = T::kBlockM, c.block_n = T::kBlockN, c.stages = T::kStages, c.banded = T::kBanded;
+      c.docs = IsDocs<T>::value;
+    }
+    return c;
+  });
+}
+
+static int failures = 0;
+static void expect(const char* what, Choice got, Choice want) {
+  bool ok = got.block_m == want.block_m && got.block_n == want.block_n && got.stages == want.stages &&
+            got.banded == want.banded && got.docs == want.docs && got.none == want.none;
+  if (!ok) {
+    ++failures;
+    std::printf("FAIL %s: got %dx%d, %d stages, banded %d, docs %d, none %d; want %dx%d, %d stages, banded %d, docs %d, none %d\n",
+                what, got.block_m, got.block_n, got.stages, got.banded, got.docs, got.none, want.block_m,
+                want.block_n, want.stages, want.banded, want.docs, want.none);
+  }
+}
+
+int main() {
+  using B = cutlass::bfloat16_t;
+  using F8 = cutlass::float_e4m3_t;
+  const int U = kUnbounded;
+  const Choice narrow{128, 128, 2, false}, wide{128, 176, 2, false};
+  const Choice short_band{128, 128, 2, true}, band{128, 128, 3, true}, band_docs{128, 128, 3, true, true};
+  expect("bf16 128 nc 512", choose<B, 128>(512, 512, U, U), narrow);
+  expect("bf16 128 nc 2k", choose<B, 128>(2048, 2048, U, U), narrow);
+  expect("bf16 128 nc 4k", choose<B, 128>(4096, 4096, U, U), wide);
+  expect("bf16 128 causal 512", choose<B, 128>(512, 512, U, 0), short_band);
+  expect("bf16 128 causal 513", choose<B, 128>(513, 513, U, 0), band);
+  expect("bf16 128 causal 1k", choose<B, 128>(1024, 1024, U, 0), band);
+  expect("bf16 128 causal 16k", choose<B, 128>(16384, 16384, U, 0), band);
+  expect("bf16 128 causal sq 16k sk 512", choose<B, 128>(16384, 512, U, 0), short_band);
+  expect("bf16 128 causal sq 512 sk 16k", choose<B, 128>(512, 16384, U, 0), band);
+  expect("bf16 128 window (255, 256) over 16k", choose<B, 128>(16384, 16384, 255, 256), short_band);
+  expect("bf16 128 window (256, 256) over 16k", choose<B, 128>(16384, 16384, 256, 256), band);
+  expect("bf16 128 shifted past the keys", choose<B, 128>(300, 300, U, -700), short_band);
+  expect("bf16 128 docs causal 512", choose<B, 128>(512, 512, U, 0, true), band_docs);
+  expect("bf16 64 causal 512", choose<B, 64>(512, 512, U, 0), {128, 128, 4, true});
+  expect("bf16 256 causal 512", choose<B, 256>(512, 512, U, 0), {128, 80, 2, true});
+  expect("fp8 128 causal 512", choose<F8, 128>(512, 512, U, 0), {128, 128, 3, true});
+  expect("fp8 128 causal 4096", choose<F8, 128>(4096, 4096, U, 0), {128, 192, 2, true});
+  expect("fp8 128 docs", choose<F8, 128>(512, 512, U, 0, true), {0, 0, 0, false, false, true});
+  if (failures) return 1;
+  std::printf("fwd_tile_choice: all choices as expected\n");
+  return 0;
+}
