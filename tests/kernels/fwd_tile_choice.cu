@@ -5,7 +5,8 @@
 // FA3_FWD_HD128_SHORT_BAND=1), longer bands on the 3-stage one; documents on the banded tile's
 // document form. FP8 hd128: long bands (>= 4096 rows and keys) on 192 keys; FP8 takes no
 // documents. A table without a short or long band tile (bf16 hd64's short side, hd256) runs
-// every band on `banded`.
+// every band on `banded`. Every table's tiles are instantiated, so their traits' static checks
+// (among them the setmaxnreg split, register_split_fits) hold for each.
 #include <cstdio>
 #include <string>
 #include <type_traits>
@@ -42,6 +43,13 @@ Choice choose(int sq, int sk, int left, int right, bool docs = false) {
     return c;
   });
 }
+
+// The setmaxnreg split a tile may take (common/utils.cuh): the two-consumer splits in use fill
+// the 384 x 168 pool exactly, the three-consumer one 512 x 128; 32 / 240 (which hung) does not fit.
+static_assert(register_split_fits(24, 256, 240) && register_split_fits(40, 256, 232) &&
+              register_split_fits(56, 256, 224) && register_split_fits(32, 384, 160));
+static_assert(!register_split_fits(32, 256, 240) && !register_split_fits(24, 256, 248) &&
+              !register_split_fits(40, 384, 160));
 
 static int failures = 0;
 static void expect(const char* what, Choice got, Choice want) {
@@ -81,6 +89,18 @@ int main() {
   expect("fp8 128 causal 512", choose<F8, 128>(512, 512, U, 0), {128, 128, 3, true});
   expect("fp8 128 causal 4096", choose<F8, 128>(4096, 4096, U, 0), {128, 192, 2, true});
   expect("fp8 128 docs", choose<F8, 128>(512, 512, U, 0, true), {0, 0, 0, false, false, true});
+  // Every table's tiles instantiated (their traits' static_asserts, the register split's among
+  // them): each kernel head dim runs something for an unbanded, a causal and a document problem;
+  // FP8 takes no documents.
+  auto runs = [&](const char* what, Choice c) {
+    if (c.none || c.block_n < 16) ++failures, std::printf("FAIL %s: no tile\n", what);
+  };
+  runs("bf16 64", choose<B, 64>(4096, 4096, U, U)), runs("bf16 64 docs", choose<B, 64>(512, 512, U, 0, true));
+  runs("bf16 96", choose<B, 96>(512, 512, U, 0)), runs("bf16 96 docs", choose<B, 96>(512, 512, U, 0, true));
+  runs("bf16 192", choose<B, 192>(512, 512, U, U)), runs("bf16 192 docs", choose<B, 192>(512, 512, U, 0, true));
+  runs("bf16 256 docs", choose<B, 256>(512, 512, U, 0, true)), runs("fp16 128", choose<cutlass::half_t, 128>(512, 512, U, 0));
+  runs("fp8 64", choose<F8, 64>(512, 512, U, U)), runs("fp8 64 causal", choose<F8, 64>(4096, 4096, U, 0));
+  runs("fp8 256", choose<F8, 256>(512, 512, U, U)), runs("fp8 256 causal", choose<F8, 256>(4096, 4096, U, 0));
   if (failures) return 1;
   std::printf("fwd_tile_choice: all choices as expected\n");
   return 0;

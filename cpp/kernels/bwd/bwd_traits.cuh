@@ -214,12 +214,11 @@ struct BwdTraitsT {
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   static constexpr uint32_t kDQWgBytes = kDQWgFloats * sizeof(float);
   static_assert(kDQWgBytes % 16 == 0);
-  // setmaxnreg can only move registers within what the CTA got at launch: 384 threads x 168
-  // (the __launch_bounds__(384, 1) cap) = 64512 = 128 x 24 + 256 x 240. Asking for more than
-  // the pool (e.g. 32/240 = 65536) makes the consumers' setmaxnreg.inc wait forever.
+  // The whole pool of 384 threads x 168 registers: 128 x 24 + 256 x 240 = 64512
+  // (register_split_fits, common/utils.cuh).
   static constexpr int kProducerRegs = 24;
   static constexpr int kMmaRegs = 240;
-  static_assert(128 * kProducerRegs + 256 * kMmaRegs <= 384 * 168, "register pool overcommitted");
+  static_assert(register_split_fits(kProducerRegs, kNumMmaThreads, kMmaRegs), "register pool overcommitted");
   static_assert(kHdChunk % 16 == 0 && kHdPass % 8 == 0);
   // dK/dV leave through shared memory and TMA stores (DKVStore, bwd_epilogue.cuh; faster than the
   // 4-byte register stores on the H200). Needs one pass (a pass > 0 has no dS barrier, so the

@@ -18,6 +18,18 @@ namespace fa3 {
 using namespace cute;
 
 // ---------------------------------------------------------------------------------------------
+// setmaxnreg budgets. A kernel launched with __launch_bounds__(threads, 1) gets 65536 / threads
+// registers per thread, rounded down to 8 (384 threads: 168; 512: 128), and setmaxnreg only moves
+// registers within that allocation: a producer / consumer split that asks for more (e.g. 32 / 240
+// with two consumer warpgroups, 65536 > 384 x 168 = 64512) leaves the consumers'
+// setmaxnreg.inc waiting forever (the FP8 hd256 128-key forward tile hung so).
+constexpr bool register_split_fits(int producer_regs, int consumer_threads, int consumer_regs) {
+  const int threads = 128 + consumer_threads;
+  const int per_thread = 65536 / threads < 255 ? 65536 / threads : 255;
+  return 128 * producer_regs + consumer_threads * consumer_regs <= threads * (per_thread / 8 * 8);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Accumulator views. A WGMMA fp32 accumulator fragment of one warpgroup has the layout
 //   ((2, 2, N/8), MMA_M, MMA_N)
 // whose value mode is (adjacent column pair, row +8, column group of 8). Each thread therefore

@@ -72,6 +72,7 @@ struct FwdTraits {
   // 56 / 152, its transposers spill-free and two tiles at a time, measured -5..-7%.)
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
+  static_assert(register_split_fits(kProducerRegs, kNumMmaThreads, kConsumerRegs), "register pool overcommitted");
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
   static_assert(kBlockM % 64 == 0 && (kNumMmaWG == 2 || kNumMmaWG == 3));
