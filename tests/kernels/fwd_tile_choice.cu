@@ -8,7 +8,6 @@
 // every band on `banded`. Every table's tiles are instantiated, so their traits' static checks
 // (among them the setmaxnreg split, register_split_fits) hold for each.
 #include <cstdio>
-#include <string>
 #include <type_traits>
 #include "fwd/fwd_launch.cuh"
 using namespace fa3;
@@ -92,7 +91,7 @@ int main() {
   // Every table's tiles instantiated (their traits' static_asserts, the register split's among
   // them): each kernel head dim runs something for an unbanded, a causal and a document problem;
   // FP8 takes no documents.
-  auto runs = [&](const char* what, Choice c) {
+  auto runs = [](const char* what, Choice c) {
     if (c.none || c.block_n < 16) ++failures, std::printf("FAIL %s: no tile\n", what);
   };
   runs("bf16 64", choose<B, 64>(4096, 4096, U, U)), runs("bf16 64 docs", choose<B, 64>(512, 512, U, 0, true));

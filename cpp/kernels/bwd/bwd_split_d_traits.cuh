@@ -65,7 +65,7 @@ struct SplitDTraits {
   // See BwdTraits: 384 x 168 = 128 x 24 + 256 x 240.
   static constexpr int kProducerRegs = 24;
   static constexpr int kMmaRegs = 240;
-  static_assert(register_split_fits(kProducerRegs, 256, kMmaRegs), "register pool overcommitted");
+  static_assert(register_split_fits(kProducerRegs, kNumMmaThreads, kMmaRegs), "register pool overcommitted");
   static_assert(kHeadDim == 256, "split-D is written for head dim 256 (192 would need 96-row WG halves)");
   static_assert(kDQFrag % 4 == 0);
 

@@ -376,9 +376,10 @@ auto with_fwd_tile(const FwdParams& fp, F&& f) {
     if constexpr (Table::banded::kFp8) return f(TileTag<void>{});
     else return f(TileTag<FwdDocsTraits<typename Table::banded>>{});
   }
-  if (fp.shape.seqlen_q >= Long::kMin && band_width(fp) >= std::max<int64_t>(Long::kMin, 1))
+  const int64_t width = band_width(fp);
+  if (fp.shape.seqlen_q >= Long::kMin && width >= std::max<int64_t>(Long::kMin, 1))
     return f(TileTag<typename Long::type>{});
-  if (band_width(fp) <= Short::kMaxKeys) return f(TileTag<typename Short::type>{});
+  if (width <= Short::kMaxKeys) return f(TileTag<typename Short::type>{});
   return f(TileTag<typename Table::banded>{});
 }
 
