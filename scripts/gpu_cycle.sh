@@ -14,7 +14,7 @@
 # round robin; default all visible), SKIP_BUILD=1 (use what is installed), SKIP_SANITIZE=1, SKIP_TESTS=1, SKIP_BENCH=1,
 # FP8_BENCH_ARGS (set, even empty: also run benchmarks/bench_fp8.py with these arguments; with
 # SKIP_BENCH=1 for the file limit below), TEST_TIMEOUT / BENCH_TIMEOUT / FP8_BENCH_TIMEOUT
-# (seconds; a hung kernel ends there), INSTALL_TARGET (install jax_fa3
+# (seconds; a hung kernel ends there), BUILD_TIMEOUT (seconds), INSTALL_TARGET (install jax_fa3
 # into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
 # Leaves at most 8 files in OUT_DIR: build.log, info.txt, sanitize.txt, pytest_gpu.log and the
 # benchmark's json, md, png and bench.log (the device tool returns 8).
@@ -34,17 +34,27 @@ export CUTLASS_DIR=${CUTLASS_DIR:-/tmp/site/cutlass_library/source/include}
 
 if [ -n "${INSTALL_TARGET:-}" ]; then
   target_args=(--target "$INSTALL_TARGET" --upgrade)
-  export PYTHONPATH=$INSTALL_TARGET:$PYTHONPATH
+  export PYTHONPATH=$INSTALL_TARGET${PYTHONPATH:+:$PYTHONPATH}
 else
   target_args=()
 fi
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-echo "== build ($(nproc) cores; dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} defines=${FA3_KERNEL_DEFINES:-none})"
+echo "== build ($(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} defines=${FA3_KERNEL_DEFINES:-none})"
+# A build sharing the cores (a build left running by an earlier call that was cut off, or
+# variants built side by side) is slower: say so, the log then explains a slow build.
+others=$(pgrep -c -x 'cicc|ptxas|nvcc' || true)
+[ "${others:-0}" = 0 ] || echo "note: $others compiler processes already running; this build shares the cores"
 t0=$(date +%s)
-FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+# BUILD_TIMEOUT (seconds; default none) ends a build that would outlast the device call, so the
+# steps after it still report where it stood.
+FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "${BUILD_TIMEOUT:-0}" \
   python3 -m pip install -v --no-build-isolation --no-deps "${target_args[@]}" . >"$OUT/build.log" 2>&1
-if [ $? -ne 0 ]; then grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1; fi
+rc=$?
+if [ $rc -ne 0 ]; then
+  [ $rc -ne 124 ] || echo "build cut at BUILD_TIMEOUT=${BUILD_TIMEOUT} s, at step $(grep -oE '\[[0-9]+/[0-9]+\]' "$OUT/build.log" | tail -1)"
+  grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1
+fi
 echo "built in $(( $(date +%s) - t0 )) s"
 
 {
