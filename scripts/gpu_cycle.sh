@@ -46,8 +46,8 @@ echo "== build ($(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); dims=${FA
 others=$(pgrep -c -x 'cicc|ptxas|nvcc' || true)
 [ "${others:-0}" = 0 ] || echo "note: $others compiler processes already running; this build shares the cores"
 t0=$(date +%s)
-# BUILD_TIMEOUT (seconds; default none) ends a build that would outlast the device call, so the
-# steps after it still report where it stood.
+# BUILD_TIMEOUT (seconds; default none) ends a build that would outlast the device call: the
+# caller's later steps still run, and the log says how far the build got.
 FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout "${BUILD_TIMEOUT:-0}" \
   python3 -m pip install -v --no-build-isolation --no-deps "${target_args[@]}" . >"$OUT/build.log" 2>&1
 rc=$?
