@@ -12,11 +12,6 @@
 #include "fwd/fwd_launch.cuh"
 using namespace fa3;
 
-template <class T, class = void>
-struct IsDocs : std::false_type {};
-template <class T>
-struct IsDocs<T, std::void_t<decltype(T::kDocs)>> : std::bool_constant<T::kDocs> {};
-
 struct Choice {
   int block_m = 0, block_n = 0, stages = 0;
   bool banded = false, docs = false, none = false;
@@ -37,7 +32,7 @@ Choice choose(int sq, int sk, int left, int right, bool docs = false) {
       c.none = true;
     } else {
       c.block_m = T::kBlockM, c.block_n = T::kBlockN, c.stages = T::kStages, c.banded = T::kBanded;
-      c.docs = IsDocs<T>::value;
+      c.docs = T::kDocs;
     }
     return c;
   });
