@@ -6,10 +6,11 @@
 Each case runs forward and backward (`jax.value_and_grad` of `flash_attention(...,
 implementation="cuda")` under `jax.jit`, with a random output cotangent) and checks that the
 output and gradients are finite. The cases cover, for each compiled (dtype, head dim): the
-unmasked and the banded forward tiles (causal, local window, the hd64 long-band tile, the hd128 /
-hd256 narrow tiles), softcap, GQA and MQA, seqlen_q != seqlen_k, lengths that are no multiple of
-any tile, the deterministic backward, the backward tail split (d <= 128: every unmasked call with
-fewer key blocks than SMs runs split, and one bf16 call per head dim has a full wave of whole
+unmasked and the banded forward tiles (causal, local window, the hd64 long-band tile, the hd128
+short-band tile (the window and the deterministic causal case), the hd128 / hd256 narrow
+tiles), softcap, GQA and MQA, seqlen_q != seqlen_k, lengths that are no multiple of any tile,
+the deterministic backward, the backward tail split (d <= 128: every unmasked call with fewer
+key blocks than SMs runs split, and one bf16 call per head dim has a full wave of whole
 units before its split ones), the split-D backward (d = 256), head dims below the compiled one
 (loads zero-filled past them, stores clipped), v's own head dim (MLA's 192/128 on the 192
 kernel) and attention sinks (with their gradient). FP8 (float8_e4m3fn, forward only: its V

@@ -1,12 +1,12 @@
 // Unit test (host, no GPU) of the forward launcher's tile choice (fwd/fwd_launch.cuh
 // with_fwd_tile): which tile of a head dim's table runs a problem. bf16 hd128: unbanded 512-2k
 // keys on the narrow 128-key tile, from 4k on 176 keys; bands a row of which sees at most 512
-// keys on the 2-stage banded tile with Q prefetch (short_banded; until that lands, only with
-// FA3_FWD_HD128_SHORT_BAND=1), longer bands on the 3-stage one; documents on the banded tile's
-// document form. FP8 hd128: long bands (>= 4096 rows and keys) on 192 keys; FP8 takes no
-// documents. A table without a short or long band tile (bf16 hd64's short side, hd256) runs
-// every band on `banded`. Every table's tiles are instantiated, so their traits' static checks
-// (among them the setmaxnreg split, register_split_fits) hold for each.
+// keys on the 2-stage banded tile with Q prefetch (short_banded), longer bands on the 3-stage
+// one; documents on the banded tile's document form. FP8 hd128: long bands (>= 4096 rows and
+// keys) on 192 keys; FP8 takes no documents. A table without a short or long band tile (bf16
+// hd64's short side, hd256) runs every band on `banded`. Every table's tiles are instantiated,
+// so their traits' static checks (among them the setmaxnreg split, register_split_fits) hold
+// for each.
 #include <cstdio>
 #include <type_traits>
 #include "fwd/fwd_launch.cuh"
@@ -62,8 +62,7 @@ int main() {
   using F8 = cutlass::float_e4m3_t;
   const int U = kUnbounded;
   const Choice narrow{128, 128, 2, false}, wide{128, 176, 2, false};
-  // Until FA3_FWD_HD128_SHORT_BAND lands (fwd_launch.cuh), short bands run the 3-stage tile.
-  const Choice short_band{128, 128, FA3_FWD_HD128_SHORT_BAND ? 2 : 3, true};
+  const Choice short_band{128, 128, 2, true};
   const Choice band{128, 128, 3, true}, band_docs{128, 128, 3, true, true};
   expect("bf16 128 nc 512", choose<B, 128>(512, 512, U, U), narrow);
   expect("bf16 128 nc 2k", choose<B, 128>(2048, 2048, U, U), narrow);

@@ -70,12 +70,6 @@ struct FwdTileTable<E, 96> {
 // x 32 = 192 KB), so the next tile's Q loads a tile ahead. There Q prefetch outweighs the third
 // stage; from 1k the third stage wins (H100, ABBA, three calls, 2 stages + Q prefetch over 3
 // stages: causal 512 +4.0 / +2.8 / +3.4%, 1k +0.9 / -1.7 / -1.6%, 2k -1.1 / +0.6 / -2.8%).
-// Landing gate, not an open A/B: FA3_FWD_HD128_SHORT_BAND stays 0 (short bands on the 3-stage
-// tile, the code that passed its GPU tests and sanitizer) until the 2-stage banded kernel has
-// passed both on the device; then the default becomes the split and the macro goes.
-#ifndef FA3_FWD_HD128_SHORT_BAND
-#define FA3_FWD_HD128_SHORT_BAND 0
-#endif
 // Unbanded problems whose key length 176 divides badly (fwd_pad_prefers_narrow: non-causal
 // 512-4k keys) up to kNarrowMaxKeys = 2k run the narrow tile on its own kernel: 128 x 128, 2
 // stages, unbanded, so two Q buffers fit (2 x 32 + 2 x 2 x 32 = 192 KB) and the producer loads
@@ -89,8 +83,8 @@ template <typename E>
 struct FwdTileTable<E, 128> {
   using full = FwdTraits<E, 128, 128, 176, 2, true, false>;
   using banded = FwdTraits<E, 128, 128, 128, 3, true, true>;
-  using short_banded = FwdTraits<E, 128, 128, 128, FA3_FWD_HD128_SHORT_BAND ? 2 : 3, true, true>;
-  static_assert(short_banded::kQPrefetch || !FA3_FWD_HD128_SHORT_BAND);
+  using short_banded = FwdTraits<E, 128, 128, 128, 2, true, true>;
+  static_assert(short_banded::kQPrefetch);
   static constexpr int64_t kShortBandMaxKeys = 512;
   using narrow = FwdTraits<E, 128, 128, 128, 2, true, false>;
   static_assert(narrow::kQPrefetch);
