@@ -161,17 +161,10 @@ struct FwdTileTable<Fp8, 128> {
 // spill-free), banded or not: a block's row max, rescale and hand-offs shared over 96 keys, not
 // 64 (H100, ABBA, over 128 x 64 with 3 stages: non-causal 2k +6.7%, 16k +9.3%; causal 2k
 // +4.8%, 16k +7.1%).
-// Experiment (issue 28, A/B pending): FA3_FP8_HD256_BLOCK_N=128, FA3's 128-key block (one Q
-// buffer: 32 + 2 x 96 = 224 KB; O 128 + S 64 + P 16 on 240 consumer registers) on FA3's 24 / 240
-// split (kFp8Wide, fwd_traits.cuh). Session 33's form on 32 / 240 overcommitted the register pool
-// and hung; session 29's on 56 / 224 had its WGMMAs serialized.
-#ifndef FA3_FP8_HD256_BLOCK_N
-#define FA3_FP8_HD256_BLOCK_N 96
-#endif
 template <>
 struct FwdTileTable<Fp8, 256> {
-  using full = FwdTraits<Fp8, 256, 128, FA3_FP8_HD256_BLOCK_N, 2, true, false>;
-  using banded = FwdTraits<Fp8, 256, 128, FA3_FP8_HD256_BLOCK_N, 2, true, true>;
+  using full = FwdTraits<Fp8, 256, 128, 96, 2, true, false>;
+  using banded = FwdTraits<Fp8, 256, 128, 96, 2, true, true>;
 };
 
 // Banded problems on a persistent grid with a dynamic tile counter (TileScheduler::

@@ -70,14 +70,8 @@ struct FwdTraits {
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
   // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16. (hd128 on
   // 56 / 152, its transposers spill-free and two tiles at a time, measured -5..-7%.)
-  // FP8 tiles whose consumers hold more than 200 registers of O (d/2), S (kBlockN/2) and P
-  // (kBlockN/8), i.e. hd256 on 128-key blocks (208; experiment FA3_FP8_HD256_BLOCK_N,
-  // fwd_launch.cuh): 24 / 240, FA3's split, the transposers one tile's loads at a time (on 224
-  // ptxas serialized the WGMMAs; 32 / 240 overcommits the pool).
-  static constexpr bool kFp8Wide = kFp8 && kNumMmaWG == 2 && kHeadDim / 2 + kBlockN / 2 + kBlockN / 8 > 200;
-  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8Wide ? 24 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
-  static constexpr int kConsumerRegs =
-      kNumMmaWG == 3 ? 160 : kFp8Wide ? 240 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
+  static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
+  static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
   static_assert(register_split_fits(kProducerRegs, kNumMmaThreads, kConsumerRegs), "register pool overcommitted");
   // Warps 1-2 of the producer warpgroup transpose V (FP8); warp 0's first thread issues the TMAs.
   static constexpr int kNumTransposeThreads = kFp8 ? 64 : 0;
