@@ -9,6 +9,8 @@
 # refactor, unpacked with `git archive`) with that tree's own scripts. The cycle's output
 # folder is /tmp/ab_NAME (build.log, info.txt), its log /tmp/ab_NAME.log, and the exit status
 # also goes to /tmp/ab_NAME.rc (what ab_variants.sh AB_REUSE=1 reads).
+# A wheel built beforehand on the CPU machine (scripts/prebuild_wheel.sh NAME DEFINES, in
+# .whl/prebuilt/NAME) is installed instead of building, if its sources and defines match.
 set -uo pipefail
 name=${1:?usage: scripts/build_variant.sh NAME DEFINES}
 [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "build_variant: bad variant name '$name'" >&2; exit 2; }
@@ -20,7 +22,9 @@ done
 src=VARIANT_SRC_$name
 src=${!src:-.}
 # Each variant its own CMake build folder: ab_variants.sh AB_PIPELINE=parallel builds them at once.
-(cd "$src" && env SKBUILD_BUILD_DIR="build/variant_$name" FA3_KERNEL_DEFINES="${2-}" \
+prebuilt=$PWD/.whl/prebuilt/$name
+[ -d "$prebuilt" ] || prebuilt=
+(cd "$src" && env PREBUILT="$prebuilt" SKBUILD_BUILD_DIR="build/variant_$name" FA3_KERNEL_DEFINES="${2-}" \
   INSTALL_TARGET="/tmp/variant_$name" SKIP_SANITIZE=1 SKIP_TESTS=1 SKIP_BENCH=1 \
   scripts/gpu_cycle.sh "/tmp/ab_$name") >"/tmp/ab_$name.log" 2>&1
 rc=$?

@@ -15,7 +15,8 @@
 # FP8_BENCH_ARGS (set, even empty: also run benchmarks/bench_fp8.py with these arguments; with
 # SKIP_BENCH=1 for the file limit below), TEST_TIMEOUT / BENCH_TIMEOUT / FP8_BENCH_TIMEOUT
 # (seconds; a hung kernel ends there), BUILD_TIMEOUT (seconds), INSTALL_TARGET (install jax_fa3
-# into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side).
+# into this folder, put first on PYTHONPATH, instead of site-packages: variants side by side),
+# PREBUILT (a folder from scripts/prebuild_wheel.sh: install its wheel instead of building).
 # Leaves at most 8 files in OUT_DIR: build.log, info.txt, sanitize.txt, pytest_gpu.log and the
 # benchmark's json, md, png and bench.log (the device tool returns 8).
 set -uo pipefail
@@ -40,6 +41,19 @@ else
 fi
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
+if [ -n "${PREBUILT:-}" ]; then
+# A wheel built on the CPU machine (scripts/prebuild_wheel.sh): installed, not built, once its
+# sources and defines are this tree's and this call's.
+echo "== install the prebuilt wheel $PREBUILT ($(grep -E '^(build|commit)' "$PREBUILT/source.txt" | tr '\n' ' '))"
+[ -f "$PREBUILT/source.txt" ] || { echo "PREBUILT=$PREBUILT: no source.txt there (scripts/prebuild_wheel.sh writes it)"; exit 1; }
+have=$(sed -n 's/^fingerprint //p' "$PREBUILT/source.txt") want=$(scripts/source_fingerprint.sh)
+[ "$have" = "$want" ] || { echo "PREBUILT=$PREBUILT was built from other sources (fingerprint $have, this tree $want): rebuild it with scripts/prebuild_wheel.sh or delete it"; exit 1; }
+have=$(sed -n 's/^defines //p' "$PREBUILT/source.txt")
+[ "$have" = "${FA3_KERNEL_DEFINES:-}" ] || { echo "PREBUILT=$PREBUILT has defines '$have', this call asks '${FA3_KERNEL_DEFINES:-}'"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --force-reinstall "${target_args[@]}" "$PREBUILT"/*.whl >"$OUT/build.log" 2>&1 ||
+  { cat "$OUT/build.log"; exit 1; }
+cat "$PREBUILT/build.log" >>"$OUT/build.log"
+else
 echo "== build ($(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg); dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} defines=${FA3_KERNEL_DEFINES:-none})"
 # A build sharing the cores (a build left running by an earlier call that was cut off, or
 # variants built side by side) is slower: say so, the log then explains a slow build.
@@ -56,6 +70,7 @@ if [ $rc -ne 0 ]; then
   grep -E "error|Error" "$OUT/build.log" | head -40; tail -30 "$OUT/build.log"; exit 1
 fi
 echo "built in $(( $(date +%s) - t0 )) s"
+fi
 
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
