@@ -31,11 +31,16 @@ src=VARIANT_SRC_$name
 src=$(cd "${!src:-.}" && pwd)
 
 venv=${PREBUILD_VENV:-$root/build/prebuild-venv}
-if [ ! -x "$venv/bin/python" ]; then
-  echo "== making $venv (Python 3.12 and the device's build tools)"
-  "${PREBUILD_PYTHON:-python3.12}" -m venv "$venv" || exit 1
-  "$venv/bin/python" -m pip install -q scikit-build-core==0.11.6 nanobind==2.9.2 jax==0.11.2 \
-    jaxlib==0.11.2 cmake==4.4.5 ninja==1.13.2 || exit 1
+if [ ! -f "$venv/tools-installed" ]; then
+  py=${PREBUILD_PYTHON:-}
+  for c in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    [ -n "$py" ] && break
+    "$c" -c '' 2>/dev/null && py=$c
+  done
+  [ -n "$py" ] || { echo "prebuild_wheel: no Python 3.12 found; set PREBUILD_PYTHON" >&2; exit 1; }
+  echo "== making $venv ($py and the device's build tools)"
+  rm -rf "$venv" && "$py" -m venv "$venv" && "$venv/bin/python" -m pip install -q scikit-build-core==0.11.6 \
+    nanobind==2.9.2 jax==0.11.2 jaxlib==0.11.2 cmake==4.4.5 ninja==1.13.2 && touch "$venv/tools-installed" || exit 1
 fi
 [ "$("$venv/bin/python" -c 'import sys; print(sys.version_info[:2] == (3, 12))')" = True ] ||
   { echo "prebuild_wheel: $venv is not Python 3.12 (the device's)" >&2; exit 1; }
