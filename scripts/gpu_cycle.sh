@@ -44,8 +44,8 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
 if [ -n "${PREBUILT:-}" ]; then
 # A wheel built on the CPU machine (scripts/prebuild_wheel.sh): installed, not built, once its
 # sources and defines are this tree's and this call's.
-echo "== install the prebuilt wheel $PREBUILT ($(grep -E '^(build|commit)' "$PREBUILT/source.txt" | tr '\n' ' '))"
 [ -f "$PREBUILT/source.txt" ] || { echo "PREBUILT=$PREBUILT: no source.txt there (scripts/prebuild_wheel.sh writes it)"; exit 1; }
+echo "== install the prebuilt wheel $PREBUILT ($(grep -E '^(build|commit)' "$PREBUILT/source.txt" | tr '\n' ' '))"
 have=$(sed -n 's/^fingerprint //p' "$PREBUILT/source.txt") want=$(scripts/source_fingerprint.sh)
 [ "$have" = "$want" ] || { echo "PREBUILT=$PREBUILT was built from other sources (fingerprint $have, this tree $want): rebuild it with scripts/prebuild_wheel.sh or delete it"; exit 1; }
 have=$(sed -n 's/^defines //p' "$PREBUILT/source.txt")

@@ -53,25 +53,28 @@ if [ -z "$cutlass" ]; then
   cutlass=$root/build/prebuild-cutlass/cutlass_library/source/include
 fi
 
+# Built into NAME.new, which replaces NAME only once the build succeeded.
 out=$root/.whl/prebuilt/$name
-rm -rf "$out" && mkdir -p "$out"
+new=$out.new
+rm -rf "$new" && mkdir -p "$new"
 log=$root/build/prebuild_$name.log
 echo "== $name: dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default} defines=${defines:-none} ($(nproc) cores)"
 t0=$(date +%s)
 (cd "$src" && PATH=$venv/bin:$PATH FA3_CUDA=ON FA3_PTXAS_VERBOSE=ON FA3_KERNEL_DEFINES="$defines" \
   CUTLASS_DIR=$cutlass CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) SKBUILD_BUILD_DIR=$root/build/prebuild_$name \
-  python -m pip wheel -v --no-build-isolation --no-deps -w "$out" .) >"$log" 2>&1
+  python -m pip wheel -v --no-build-isolation --no-deps -w "$new" .) >"$log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
-  grep -E "error|Error" "$log" | head -40; tail -20 "$log"; rm -rf "$out"; exit 1
+  grep -E "error|Error" "$log" | head -40; tail -20 "$log"; rm -rf "$new"; exit 1
 fi
-grep -E "Compiling entry|Used [0-9]+ registers|spill|C75[0-9][0-9]|warning" "$log" >"$out/build.log"
+grep -E "Compiling entry|Used [0-9]+ registers|spill|C75[0-9][0-9]|warning" "$log" >"$new/build.log"
 {
   echo "fingerprint $(scripts/source_fingerprint.sh "$src")"
   echo "defines ${defines}"
   echo "build dims=${FA3_HEAD_DIMS:-all} dtypes=${FA3_DTYPES:-all} dirs=${FA3_DIRECTIONS:-default}"
-  echo "commit $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$src" diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "commit $(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo none)$(git -C "$src" diff --quiet HEAD -- cpp jax_fa3 CMakeLists.txt pyproject.toml 2>/dev/null || echo ' (with uncommitted changes)')"
   echo "built $(date -u +%FT%TZ) in $(( $(date +%s) - t0 )) s"
-} >"$out/source.txt"
+} >"$new/source.txt"
+rm -rf "$out" && mv "$new" "$out"
 echo "== $name: $(ls "$out"/*.whl) ($(du -h "$out"/*.whl | cut -f1)), built in $(( $(date +%s) - t0 )) s"
-echo "   ptxas: $(grep -c C7512 "$out/build.log") C7512 notes (serialized WGMMAs), $(grep -cE ' [1-9][0-9]* bytes spill stores' "$out/build.log") functions with spill stores"
+echo "   ptxas: $(grep -c C7512 "$out/build.log") C7512 notes (serialized WGMMAs), $(grep -cE 'stack frame, [1-9][0-9]* bytes spill stores' "$out/build.log") functions with spill stores (docs/kernels.md lists where)"
