@@ -63,3 +63,12 @@ def test_wait_before_the_max(tmp_path, capsys):
 
 def test_match_keeps_the_named_kernels(tmp_path, capsys):
     assert _summary(tmp_path, GEMMS + MAX + EXPS, capsys, match="Li176E") == ""
+
+
+def test_usage_instead_of_a_traceback(tmp_path):
+    import subprocess
+    script = Path(sass_summary.__file__)
+    help_ = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert help_.returncode == 0 and help_.stdout.startswith("Per-kernel summary")
+    missing = subprocess.run([sys.executable, str(script), str(tmp_path / "none.sass")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "no file" in missing.stdout and not missing.stderr
