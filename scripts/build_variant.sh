@@ -13,14 +13,10 @@
 # .whl/prebuilt/NAME) is installed instead of building, if its sources and defines match.
 set -uo pipefail
 name=${1:?usage: scripts/build_variant.sh NAME DEFINES}
-[[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "build_variant: bad variant name '$name'" >&2; exit 2; }
 cd "$(dirname "$0")/.."
-for knob in FA3_HEAD_DIMS FA3_DTYPES FA3_DIRECTIONS; do
-  own=${knob}_$name
-  [ -z "${!own:-}" ] || export "$knob=${!own}"
-done
-src=VARIANT_SRC_$name
-src=${!src:-.}
+source scripts/variant_env.sh
+variant_env "$name" || exit 2
+src=$variant_src
 # Each variant its own CMake build folder: ab_variants.sh AB_PIPELINE=parallel builds them at once.
 prebuilt=$PWD/.whl/prebuilt/$name
 [ -d "$prebuilt" ] || prebuilt=

@@ -7,9 +7,8 @@
 # The wheel is the device's: CPython 3.12, the FFI headers of jax 0.11.2 (the device's JAX),
 # CUTLASS from the nvidia-cutlass wheel in .whl/; cudart is linked statically, so the extension
 # needs only libc / libstdc++ / libm. The build set is FA3_HEAD_DIMS / FA3_DTYPES /
-# FA3_DIRECTIONS (the same knob with _NAME appended narrows one variant, as in
-# scripts/build_variant.sh); DEFINES go to FA3_KERNEL_DEFINES. VARIANT_SRC_NAME=DIR builds from
-# another source tree.
+# FA3_DIRECTIONS, and VARIANT_SRC_NAME=DIR builds from another source tree, as for
+# scripts/build_variant.sh (scripts/variant_env.sh); DEFINES go to FA3_KERNEL_DEFINES.
 # NAME/ holds the wheel, source.txt (the source fingerprint, the build set, the defines) and
 # build.log (ptxas lines only: it travels to the device with .whl/, 64 MiB in all).
 # On the device: scripts/build_variant.sh NAME installs .whl/prebuilt/NAME when it is there;
@@ -19,16 +18,12 @@
 # build/prebuild-venv) with the pinned build tools the first time (needs PyPI).
 set -uo pipefail
 name=${1:?usage: scripts/prebuild_wheel.sh NAME [DEFINES]}
-[[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] || { echo "prebuild_wheel: bad name '$name'" >&2; exit 2; }
 defines=${2-}
 cd "$(dirname "$0")/.."
 root=$PWD
-for knob in FA3_HEAD_DIMS FA3_DTYPES FA3_DIRECTIONS; do
-  own=${knob}_$name
-  [ -z "${!own:-}" ] || export "$knob=${!own}"
-done
-src=VARIANT_SRC_$name
-src=$(cd "${!src:-.}" && pwd)
+source scripts/variant_env.sh
+variant_env "$name" || exit 2
+src=$(cd "$variant_src" && pwd)
 
 venv=${PREBUILD_VENV:-$root/build/prebuild-venv}
 if [ ! -f "$venv/tools-installed" ]; then

@@ -81,8 +81,11 @@ def main(path, mix=False, match=""):
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if not args or args[0] in ("-h", "--help") or not Path(args[0]).is_file():
-        print(__doc__ if not args or args[0] in ("-h", "--help") else f"sass_summary: no file {args[0]}\n\n{__doc__}")
-        sys.exit(0 if args and args[0] in ("-h", "--help") else 2)
+    if not args or args[0] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if args else 2)
+    if not Path(args[0]).is_file():
+        print(f"sass_summary: no file {args[0]}\n\n{__doc__}")
+        sys.exit(2)
     match = args[args.index("--match") + 1] if "--match" in args else ""
     main(args[0], mix="--mix" in args, match=match)
