@@ -23,6 +23,7 @@
 #include "bwd/bwd_pipeline.cuh"
 #include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_traits.cuh"
+#include "fwd/fwd_pipeline.cuh"  // FwdPingPong (experiment FA3_BWD_HD128_PINGPONG)
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "common/utils.cuh"
@@ -242,6 +243,26 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
       dq_held = false;
     }
   };
+  // kPingPong: warpgroup 0 issues first; each hands the turn on after its batch (dV, dQ, dK and
+  // the next step's S^T / dP^T).
+  const FwdPingPong<2, Tr::kPingPong> turn{wg};
+  static_assert(!Tr::kPingPong || (kFwdBarPingPong == kBarDsFull && kBarDsFree == kBarDsFull + 1));
+  turn.start();
+  // kDQLag: the query head and block of the step whose dQ GEMM is still to come.
+  int lag_h = 0, lag_m = 0;
+  using ClusterBar = cutlass::arch::ClusterBarrier;
+  // Issue the dQ GEMM of step it_ds on its dS buffer (kDQLag: once both warpgroups stored it).
+  auto issue_dq = [&](auto& tdQrdQ, int it_ds) {
+    const int s = it_ds % kStagesdS;
+    if constexpr (Tr::kDQLag) ClusterBar::wait(&ss.ds_full[s], (it_ds / kStagesdS) & 1);
+    if constexpr (Tr::kDQSwapAB) {
+      Tensor tdQrK = thr_dq.partition_fragment_A(sKt);
+      wgmma_gemm<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, s), tdQrdQ);
+    } else {
+      Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+      wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
+    }
+  };
   for (int pass = 0; pass < Tr::kPasses; ++pass) {
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
     Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
@@ -303,6 +324,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             wait_do(sub);
             wgmma_gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, sub, 0, stage), tdPrdP);
             if (sub == 0) hand_held_dq();
+            if (it > it_pass) turn.signal();  // the previous step's batch ends here
           }
           const float* lse = ss.lse.data() + stage * kBlockM + sub * kBlockMSdP;
           const float* dpsum = ss.dpsum.data() + stage * kBlockM + sub * kBlockMSdP;
@@ -316,11 +338,14 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           auto store_ds = [&] {
             // With one dS buffer the other warpgroup may still read it (previous dQ GEMM).
             if (kStagesdS == 1 && sub == 0) cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
+            // kDQLag: both warpgroups' dQ GEMMs of this buffer's previous use (step it - kStagesdS) done.
+            if constexpr (Tr::kDQLag) ClusterBar::wait(&ss.ds_empty[ds_stage], ((it / kStagesdS) & 1) ^ 1);
             copy(ds_copy, thr_ds_copy.retile_S(rdS), tdSsdS(_, _, _, 0, sub, ds_stage));
           };
           if constexpr (Tr::kDsBeforeDv) {
             if (dq_pass) store_ds();
           }
+          turn.wait();
           // dV += P^T dO (this pass's columns).
           {
             Tensor sdOt_p = local_tile(sdOt(_, _, stage), Shape<Int<Tr::kHdPass>, Int<kBlockMSdP>>{},
@@ -334,7 +359,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             if constexpr (!Tr::kDsBeforeDv) store_ds();
             if (last) {  // this warpgroup's part of the dS tile is complete
               cutlass::arch::fence_view_async_shared();
-              cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
+              if constexpr (Tr::kDQLag) ClusterBar::arrive(&ss.ds_full[ds_stage]);
+              else cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
             }
           }
           // dK += dS^T Q (this pass's columns); in the last sub-step of a dq_pass issued after
@@ -344,23 +370,25 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt_p);
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
 
-          if (dq_pass && last) {
+          // The dQ GEMM of this step, or with kDQLag of the previous one (none before the first).
+          if (dq_pass && last && (!Tr::kDQLag || it > it_pass)) {
             // dQ = dS K over both warpgroups' dS (kDQSwapAB: dQ^T = K^T dS^T, this warpgroup's 64
             // columns x kBlockM); the dK issued behind it retires under the dQ hand-off.
+            const int it_dq = Tr::kDQLag ? it - 1 : it;
             Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
-            if constexpr (Tr::kDQSwapAB) {
-              Tensor tdQrK = thr_dq.partition_fragment_A(sKt);
-              wgmma_gemm<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, ds_stage), tdQrdQ);
-            } else {
-              Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
-              wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, ds_stage), tdQrK, tdQrdQ);
-            }
+            issue_dq(tdQrdQ, it_dq);
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
             warpgroup_fence_operand(tdQrdQ);
-            dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
+            if constexpr (Tr::kDQLag) ClusterBar::arrive(&ss.ds_empty[it_dq % kStagesdS]);
+            dq_step_out(p, ss, tdQrdQ, b, Tr::kDQLag ? lag_h : h, Tr::kDQLag ? lag_m : m, n_block, ct, wg, t_in_wg,
+                        dq_held);
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
+          }
+          if (Tr::kDQLag && dq_pass && last) {
+            lag_h = h;
+            lag_m = m;
           }
         }  // sub-steps
         if constexpr (!Tr::kOverlapDK) {
@@ -372,6 +400,17 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         ++it;
       }
     }
+    if constexpr (Tr::kDQLag) {
+      if (it > it_pass) {  // the last step's dQ; the tile before it goes to the writer meanwhile
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
+        issue_dq(tdQrdQ, it - 1);
+        hand_held_dq();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tdQrdQ);
+        dq_step_out(p, ss, tdQrdQ, b, lag_h, lag_m, n_block, ct, wg, t_in_wg, dq_held);
+      }
+    }
+    if (wg == 0 && it > it_pass) turn.signal();  // warpgroup 1's last batch (its own last signal has no taker)
     hand_held_dq();
     warpgroup_wait<0>();  // unconditional: ptxas must see every GMMA retired before the epilogue
     if (Tr::kOverlapDK && it != it_pass) release((it + kStages - 1) % kStages);
