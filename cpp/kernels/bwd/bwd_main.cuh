@@ -400,6 +400,9 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         ++it;
       }
     }
+    // kPingPong: warpgroup 1's last batch may go (its own last signal has no taker). Before the
+    // lag's last dQ below: that waits (dq_to_smem) for the writer, which waits for warpgroup 1.
+    if (wg == 0 && it > it_pass) turn.signal();
     if constexpr (Tr::kDQLag) {
       if (it > it_pass) {  // the last step's dQ; the tile before it goes to the writer meanwhile
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
@@ -410,7 +413,6 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         dq_step_out(p, ss, tdQrdQ, b, lag_h, lag_m, n_block, ct, wg, t_in_wg, dq_held);
       }
     }
-    if (wg == 0 && it > it_pass) turn.signal();  // warpgroup 1's last batch (its own last signal has no taker)
     hand_held_dq();
     warpgroup_wait<0>();  // unconditional: ptxas must see every GMMA retired before the epilogue
     if (Tr::kOverlapDK && it != it_pass) release((it + kStages - 1) % kStages);
