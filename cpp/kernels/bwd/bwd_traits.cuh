@@ -68,31 +68,14 @@ template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP 
 //      dK is waited for at the end of each step, as in FA3's causal step: the Q stage goes back
 //      a step earlier, so the TMA for step i+2 overlaps step i+1 (causal 1k-16k +1..+5% against
 //      the dK overlap, H100, session 32; a third stage, alone or with this, was no better).
-// Experiments (off; issue 29), the banded hd128 tile:
-//   FA3_BWD_HD128_DQ_LAG=1 takes the dQ GEMM of step i in step i + 1, on a ring of
-//     FA3_BWD_HD128_DS_STAGES dS buffers (default 3, +16 KB) with mbarriers (kDQLag below), so the
-//     two warpgroups no longer meet at a 256-thread dS barrier every step and one's exp2/dS math
-//     can run under the other's GEMMs;
-//   FA3_BWD_HD128_PINGPONG=1 (with the lag) orders the warpgroups' GEMM batches (dV, dQ, dK, the
-//     next S^T / dP^T) round robin, as the forward's ping-pong does (kPingPong);
-//   FA3_BWD_HD128_STAGES (Q/dO stages, 2) and FA3_BWD_HD128_OVERLAP_DK (0): the ring depth and
-//     the dK overlap, which a staggered schedule may want back.
-#ifndef FA3_BWD_HD128_DQ_LAG
-#define FA3_BWD_HD128_DQ_LAG 0
-#endif
-#ifndef FA3_BWD_HD128_DS_STAGES
-#define FA3_BWD_HD128_DS_STAGES (FA3_BWD_HD128_DQ_LAG ? 3 : 2)
-#endif
-#ifndef FA3_BWD_HD128_STAGES
-#define FA3_BWD_HD128_STAGES 2
-#endif
-#ifndef FA3_BWD_HD128_OVERLAP_DK
-#define FA3_BWD_HD128_OVERLAP_DK 0
-#endif
+// Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=1 lets the banded tile's warpgroups run out
+// of step: step i's dQ GEMM runs in step i + 1 on a ring of three dS buffers (kDQLag below, +16
+// KB), so no 256-thread dS barrier holds them together every step, and they issue their GEMM
+// batches round robin (kPingPong), so one's exp2/dS math runs under the other's GEMMs.
 #ifndef FA3_BWD_HD128_PINGPONG
 #define FA3_BWD_HD128_PINGPONG 0
 #endif
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = FA3_BWD_HD128_STAGES, kStagesdS = FA3_BWD_HD128_DS_STAGES, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = FA3_BWD_HD128_OVERLAP_DK; };
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = FA3_BWD_HD128_PINGPONG ? 3 : 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = false; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer);
 //      both overlaps (0 B spills, 8 B with softcap, where P is not overlapped).
 template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
@@ -229,16 +212,18 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
-  // kDQLag (experiment FA3_BWD_HD128_DQ_LAG, the banded hd128 tile): step i's dQ GEMM runs in step
-  // i + 1 (the last one after the loop) on dS buffer i % kStagesdS. Each thread arrives on
-  // ds_full[s] after its dS^T stores and on ds_empty[s] once its dQ GEMM has read buffer s,
-  // instead of both warpgroups syncing on the DsFull named barrier every step.
-  static constexpr bool kDQLag = FA3_BWD_HD128_DQ_LAG && kHeadDim == 128 && !kNoBand && kDQSmem;
+  // kDQLag, kPingPong (experiment FA3_BWD_HD128_PINGPONG, the banded hd128 tile):
+  //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
+  //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
+  //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
+  //    barrier every step;
+  //  - the warpgroups issue their batches (dV, the lagged dQ, dK, then the next step's S^T / dP^T)
+  //    round robin on FwdPingPong's barriers, ids 0 and 1: the DsFull / DsFree ids, which this
+  //    tile no longer uses.
+  static constexpr bool kDQLag = FA3_BWD_HD128_PINGPONG && kHeadDim == 128 && !kNoBand && kDQSmem;
+  static constexpr bool kPingPong = kDQLag;
   static_assert(!kDQLag || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step");
-  // kPingPong: the lag tile's warpgroups issue their GEMM batches round robin (FwdPingPong's
-  // barriers, ids 0 and 1: the DsFull / DsFree ids, which the lag tile does not use).
-  static constexpr bool kPingPong = FA3_BWD_HD128_PINGPONG && kDQLag;
   static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
   static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 16 == 0 &&
                 (kBlockMSdP % 64 == 0 || (kBlockMSdP == kBlockM && kDQSwapAB)));
