@@ -150,6 +150,21 @@ def test_long_sequence(causal):
     _check(1, 4097, 4097, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB, oracle="f32")
 
 
+# Long bands: every key seen by 2048 or more query rows, ragged last blocks, GQA. Where the
+# experiment FA3_BWD_HD128_PINGPONG is on (bwd_traits.cuh) with a threshold up to 2048, these
+# run its out-of-lockstep tile, which short shapes never reach.
+@pytest.mark.parametrize("dtype,left,right,softcap", [
+    (jnp.bfloat16, UNB, 0, 0.0), (jnp.float16, UNB, 0, 0.0), (jnp.bfloat16, 1500, 600, 0.0),
+    (jnp.bfloat16, UNB, 0, 30.0),
+], ids=["causal-bf16", "causal-fp16", "window-bf16", "causal-softcap"])
+def test_long_bands(dtype, left, right, softcap):
+    _check(1, 2200, 2200, 4, 2, 128, dtype, left=left, right=right, softcap=softcap, oracle="f32")
+
+
+def test_long_band_deterministic_bitwise():
+    _check_deterministic(2200, 2200, 4, 2, UNB, 0, runs=2)
+
+
 def _tail_split_shape():
     """Kv heads for 2 key blocks per head (seqlen_k 256) and 2 more units than the device has
     SMs: the main kernel then runs one full wave of whole units and splits the last 2 units'

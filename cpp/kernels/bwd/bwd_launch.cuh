@@ -135,7 +135,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
   auto kernel = [&] {
     if constexpr (IsSplitD<Tr>::value)
       return p.docs.present() ? bwd_split_d_kernel<Tr, true> : bwd_split_d_kernel<Tr, false>;
-    else if constexpr (Tr::kNoBand) return bwd_main_kernel<Tr, false>;  // never has documents
+    else if constexpr (Tr::kNoBand || Tr::kPingPong) return bwd_main_kernel<Tr, false>;  // never has documents
     else return p.docs.present() ? bwd_main_kernel<Tr, true> : bwd_main_kernel<Tr, false>;
   }();
   // Per call (cheap, no sync): the attribute is per device, and a static flag would be global state.
@@ -160,12 +160,20 @@ struct TraitsTag {
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
 // that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
 // FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
+// Experiment FA3_BWD_HD128_PINGPONG (bwd_traits.cuh): banded hd128 problems without documents
+// whose keys are each seen by at least BwdTileHd128PingPong::kMinRows query rows run its tile.
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
     if (!(p.opts.softcap > 0.f) && !work_varies(p.shape, p.opts, p.docs)) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
+    }
+    if constexpr (BwdTileHd128PingPong::kMinRows > 0) {
+      const int64_t rows = std::min<int64_t>(band_span(p.opts), p.shape.seqlen_q);  // per key
+      if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() && rows >= BwdTileHd128PingPong::kMinRows)
+        return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
+                 TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
     }
   }
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},

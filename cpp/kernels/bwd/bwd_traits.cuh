@@ -68,14 +68,7 @@ template <> struct BwdTile<96>  { static constexpr int kBlockM = 64, kBlockMSdP 
 //      dK is waited for at the end of each step, as in FA3's causal step: the Q stage goes back
 //      a step earlier, so the TMA for step i+2 overlaps step i+1 (causal 1k-16k +1..+5% against
 //      the dK overlap, H100, session 32; a third stage, alone or with this, was no better).
-// Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=1 lets the banded tile's warpgroups run out
-// of step: step i's dQ GEMM runs in step i + 1 on a ring of three dS buffers (kDQLag below, +16
-// KB), so no 256-thread dS barrier holds them together every step, and they issue their GEMM
-// batches round robin (kPingPong), so one's exp2/dS math runs under the other's GEMMs.
-#ifndef FA3_BWD_HD128_PINGPONG
-#define FA3_BWD_HD128_PINGPONG 0
-#endif
-template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = FA3_BWD_HD128_PINGPONG ? 3 : 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = false; };
+template <> struct BwdTile<128> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 2, kPasses = 1; static constexpr bool kDQSmem = true, kOverlapP = true, kOverlapDK = false; };
 // 192: two column passes of 96 (dK+dV 96 regs); smem 48+48 + 96 + 16 = 208 KB (one dS buffer);
 //      both overlaps (0 B spills, 8 B with softcap, where P is not overlapped).
 template <> struct BwdTile<192> { static constexpr int kBlockM = 64, kBlockMSdP = 64, kStages = 2, kStagesdS = 1, kPasses = 2; static constexpr bool kDQSmem = false, kOverlapP = true, kOverlapDK = true; };
@@ -99,7 +92,22 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
-// kDQSwapAB, kDQSplitM, kNoBand of a tile (false where the tile does not say). kNoBand: the host
+// Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=R runs banded hd128 problems without
+// documents whose keys are each seen by R or more query rows (bwd_band_rows; causal: seqlen_q)
+// on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
+// buffers (kDQLag below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
+// step, and they issue their GEMM batches round robin (kPingPong), so one's exp2 / dS math runs
+// under the other's GEMMs. 0: off; 1: every such problem.
+#ifndef FA3_BWD_HD128_PINGPONG
+#define FA3_BWD_HD128_PINGPONG 0
+#endif
+struct BwdTileHd128PingPong : BwdTile<128> {
+  static constexpr int kStagesdS = 3;
+  static constexpr bool kPingPong = true;
+  static constexpr int64_t kMinRows = FA3_BWD_HD128_PINGPONG;
+};
+
+// kDQSwapAB, kDQSplitM, kNoBand, kPingPong of a tile (false where the tile does not say). kNoBand: the host
 // launches the tile only for problems without a band (bwd_launch.cuh), so the element mask is the
 // key bound.
 template <class T, class = void> struct TileDQSwapAB : std::false_type {};
@@ -108,6 +116,8 @@ template <class T, class = void> struct TileDQSplitM : std::false_type {};
 template <class T> struct TileDQSplitM<T, std::void_t<decltype(T::kDQSplitM)>> : std::bool_constant<T::kDQSplitM> {};
 template <class T, class = void> struct TileNoBand : std::false_type {};
 template <class T> struct TileNoBand<T, std::void_t<decltype(T::kNoBand)>> : std::bool_constant<T::kNoBand> {};
+template <class T, class = void> struct TilePingPong : std::false_type {};
+template <class T> struct TilePingPong<T, std::void_t<decltype(T::kPingPong)>> : std::bool_constant<T::kPingPong> {};
 
 // Traits of one (element, head dim, softcap, tile): BwdTraitsT below. BwdTraits is the tile
 // table's instantiation (a derived type, so the kernels keep their names); BwdTraitsHd128Full the
@@ -118,6 +128,8 @@ template <typename Element, int kHeadDim, bool kSoftcap>
 struct BwdTraits : BwdTraitsT<Element, kHeadDim, kSoftcap, BwdTile<kHeadDim>> {};
 template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
+template <typename Element, bool kSoftcap>
+struct BwdTraitsHd128PingPong : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128PingPong> {};
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
@@ -212,7 +224,7 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
-  // kDQLag, kPingPong (experiment FA3_BWD_HD128_PINGPONG, the banded hd128 tile):
+  // kDQLag, kPingPong (BwdTileHd128PingPong, experiment FA3_BWD_HD128_PINGPONG):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
   //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
   //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
@@ -220,10 +232,11 @@ struct BwdTraitsT {
   //  - the warpgroups issue their batches (dV, the lagged dQ, dK, then the next step's S^T / dP^T)
   //    round robin on FwdPingPong's barriers, ids 0 and 1: the DsFull / DsFree ids, which this
   //    tile no longer uses.
-  static constexpr bool kDQLag = FA3_BWD_HD128_PINGPONG && kHeadDim == 128 && !kNoBand && kDQSmem;
-  static constexpr bool kPingPong = kDQLag;
-  static_assert(!kDQLag || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP),
-                "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step");
+  static constexpr bool kPingPong = TilePingPong<Tile>::value;
+  static constexpr bool kDQLag = kPingPong;
+  static_assert(!kDQLag || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem && !kNoBand),
+                "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "
+                "dQ writer, a band");
   static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
   static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 16 == 0 &&
                 (kBlockMSdP % 64 == 0 || (kBlockMSdP == kBlockM && kDQSwapAB)));
