@@ -93,8 +93,8 @@ struct BwdTileHd128Full {
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
 // Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=R runs banded hd128 problems without
-// documents whose keys are each seen by R or more query rows (bwd_band_rows; causal: seqlen_q)
-// on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
+// documents whose keys are each seen by R or more query rows (min(band_span, seqlen_q); causal:
+// seqlen_q; with_bwd_traits) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
 // buffers (kDQLag below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
 // step, and they issue their GEMM batches round robin (kPingPong), so one's exp2 / dS math runs
 // under the other's GEMMs. 0: off; 1: every such problem.
@@ -107,9 +107,9 @@ struct BwdTileHd128PingPong : BwdTile<128> {
   static constexpr int64_t kMinRows = FA3_BWD_HD128_PINGPONG;
 };
 
-// kDQSwapAB, kDQSplitM, kNoBand, kPingPong of a tile (false where the tile does not say). kNoBand: the host
-// launches the tile only for problems without a band (bwd_launch.cuh), so the element mask is the
-// key bound.
+// kDQSwapAB, kDQSplitM, kNoBand, kPingPong of a tile (false where the tile does not say).
+// kNoBand: the host launches the tile only for problems without a band (bwd_launch.cuh), so the
+// element mask is the key bound.
 template <class T, class = void> struct TileDQSwapAB : std::false_type {};
 template <class T> struct TileDQSwapAB<T, std::void_t<decltype(T::kDQSwapAB)>> : std::bool_constant<T::kDQSwapAB> {};
 template <class T, class = void> struct TileDQSplitM : std::false_type {};
