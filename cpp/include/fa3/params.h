@@ -53,12 +53,6 @@ inline bool band_limits_work(const AttentionShape& s, const AttentionOptions& o)
   return int64_t(o.window_left) < reach || int64_t(o.window_right) < reach;
 }
 
-// The band's span, window_left + 1 + window_right: the most keys a query row sees and the most
-// query rows that see a key, before the sequence ends cap it (0 or less: nothing is seen).
-inline int64_t band_span(const AttentionOptions& o) {
-  return int64_t(o.window_left) + 1 + o.window_right;
-}
-
 // Packed documents (segment ids, varlen; jax_fa3/segments.py builds these): which keys each
 // query row may see, as intervals, on top of the band. Four int32 arrays, or all nullptr:
 //   q_rows   (batch, seqlen_q, 2): [lo, hi), the keys query row i may see; a row that sees none

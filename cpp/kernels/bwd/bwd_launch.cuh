@@ -6,6 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -160,8 +161,25 @@ struct TraitsTag {
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
 // that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
 // FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
+// The most query rows any key sees under the band: key j is seen by rows
+// [j + d - window_right, j + d + window_left] within [0, seqlen_q), d = seqlen_q - seqlen_k. The
+// count is concave in j, so its maximum is at j = 0, j = seqlen_k - 1 or where either end of the
+// range meets the rows' bounds (causal: min(seqlen_q, seqlen_k); 0: no key is seen).
+inline int64_t max_rows_per_key(const AttentionShape& s, const AttentionOptions& o) {
+  const int64_t d = int64_t(s.seqlen_q) - s.seqlen_k, last = int64_t(s.seqlen_k) - 1;
+  auto rows = [&](int64_t j) {
+    j = std::min(std::max<int64_t>(j, 0), last);
+    const int64_t lo = std::max<int64_t>(j + d - o.window_right, 0);
+    const int64_t hi = std::min<int64_t>(j + d + o.window_left, int64_t(s.seqlen_q) - 1);
+    return std::max<int64_t>(hi - lo + 1, 0);
+  };
+  if (last < 0) return 0;
+  return std::max({rows(0), rows(last), rows(int64_t(o.window_right) - d),
+                   rows(int64_t(s.seqlen_q) - 1 - d - o.window_left)});
+}
+
 // Experiment FA3_BWD_HD128_PINGPONG (bwd_traits.cuh): banded hd128 problems without documents
-// whose keys are each seen by at least BwdTileHd128PingPong::kMinRows query rows run its tile.
+// in which some key is seen by at least BwdTileHd128PingPong::kMinRows query rows run its tile.
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
@@ -170,8 +188,8 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
     if constexpr (BwdTileHd128PingPong::kMinRows > 0) {
-      const int64_t rows = std::min<int64_t>(band_span(p.opts), p.shape.seqlen_q);  // per key
-      if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() && rows >= BwdTileHd128PingPong::kMinRows)
+      if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() &&
+          max_rows_per_key(p.shape, p.opts) >= BwdTileHd128PingPong::kMinRows)
         return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
                  TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
     }

@@ -93,8 +93,8 @@ struct BwdTileHd128Full {
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
 // Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=R runs banded hd128 problems without
-// documents whose keys are each seen by R or more query rows (min(band_span, seqlen_q); causal:
-// seqlen_q; with_bwd_traits) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
+// documents in which some key is seen by R or more query rows (max_rows_per_key in
+// bwd_launch.cuh; causal: min(seqlen_q, seqlen_k)) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
 // buffers (kDQLag below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
 // step, and they issue their GEMM batches round robin (kPingPong), so one's exp2 / dS math runs
 // under the other's GEMMs. 0: off; 1: every such problem.

@@ -282,7 +282,10 @@ struct ShortBandTile<Table, std::void_t<typename Table::short_banded>> {
 
 // The most keys a query row can see under the band (window_left + 1 + window_right, at most
 // seqlen_k; 0 or less: rows without keys).
-inline int64_t band_width(const FwdParams& fp) { return std::min<int64_t>(band_span(fp.opts), fp.shape.seqlen_k); }
+inline int64_t band_width(const FwdParams& fp) {
+  int64_t w = int64_t(fp.opts.window_left) + 1 + fp.opts.window_right;
+  return std::min<int64_t>(w, fp.shape.seqlen_k);
+}
 
 // Padded work of the ragged last key block. A key block is computed in full, its keys past
 // seqlen_k included (TMA fills zeros, the GEMMs run the whole block, the mask sets those scores
