@@ -156,11 +156,6 @@ struct TraitsTag {
   using type = T;
 };
 
-// The one choice of traits for a backward call, so that its workspace size, workspace layout,
-// pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
-// what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
-// that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
-// FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
 // The most query rows any key sees under the band: key j is seen by rows
 // [j + d - window_right, j + d + window_left] within [0, seqlen_q), d = seqlen_q - seqlen_k. The
 // count is concave in j, so its maximum is at j = 0, j = seqlen_k - 1 or where either end of the
@@ -178,6 +173,11 @@ inline int64_t max_rows_per_key(const AttentionShape& s, const AttentionOptions&
                    rows(int64_t(s.seqlen_q) - 1 - d - o.window_left)});
 }
 
+// The one choice of traits for a backward call, so that its workspace size, workspace layout,
+// pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
+// what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
+// that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
+// FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
 // Experiment FA3_BWD_HD128_PINGPONG (bwd_traits.cuh): banded hd128 problems without documents
 // in which some key is seen by at least BwdTileHd128PingPong::kMinRows query rows run its tile.
 template <typename Element, int kHeadDim, class F>

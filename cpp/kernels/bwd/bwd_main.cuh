@@ -23,10 +23,10 @@
 #include "bwd/bwd_pipeline.cuh"
 #include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_traits.cuh"
-#include "fwd/fwd_pipeline.cuh"  // FwdPingPong (experiment FA3_BWD_HD128_PINGPONG)
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "common/utils.cuh"
+#include "fwd/fwd_pipeline.cuh"  // FwdPingPong (experiment FA3_BWD_HD128_PINGPONG)
 
 namespace fa3 {
 namespace bwd {
