@@ -1,8 +1,8 @@
 // Unit test (host, no GPU) of the backward launcher's tile choice (bwd/bwd_launch.cuh
 // with_bwd_traits): hd128 problems without a band and without softcap on the 80-row tile; banded
-// problems whose keys are each seen by at least FA3_BWD_HD128_PINGPONG query rows, without
+// problems in which some key is seen by at least FA3_BWD_HD128_PINGPONG query rows, without
 // documents, on the ping-pong tile (BwdTileHd128PingPong, softcap included); every other one on
-// the 64-row tile; the most rows a key sees (max_rows_per_key) against brute force. The
+// the 64-row tile; the most rows a key sees (BandMask::max_rows_per_key) against brute force. The
 // experiment's threshold is set here, so the rule is checked while the build's default leaves
 // the tile off.
 #define FA3_BWD_HD128_PINGPONG 2048
@@ -50,28 +50,27 @@ static void expect(const char* what, Choice got, Choice want) {
   }
 }
 
-// max_rows_per_key against counting every key's rows, on small shapes and windows.
+// BandMask::max_rows_per_key against counting every key's rows, on small shapes and windows.
 static void check_rows_per_key() {
   uint32_t seed = 12345;
   auto rnd = [&](int n) { seed = seed * 1664525u + 1013904223u; return int((seed >> 8) % uint32_t(n)); };
   for (int t = 0; t < 20000; ++t) {
-    AttentionShape s{1, 1 + rnd(40), 1 + rnd(40), 1, 1, 128, 128};
-    AttentionOptions o;
-    o.window_left = rnd(4) == 0 ? kUnbounded : rnd(60) - 20;
-    o.window_right = rnd(4) == 0 ? kUnbounded : rnd(60) - 20;
-    int64_t want = 0;
-    for (int j = 0; j < s.seqlen_k; ++j) {
-      int64_t n = 0;
-      for (int i = 0; i < s.seqlen_q; ++i) {
-        const int64_t r = int64_t(j) - i - (s.seqlen_k - s.seqlen_q);
-        n += -int64_t(o.window_left) <= r && r <= o.window_right;
+    BandMask band{1 + rnd(40), 1 + rnd(40), 0, 0};
+    band.left = rnd(4) == 0 ? kUnbounded : rnd(60) - 20;
+    band.right = rnd(4) == 0 ? kUnbounded : rnd(60) - 20;
+    long long want = 0;
+    for (int j = 0; j < band.seqlen_k; ++j) {
+      long long n = 0;
+      for (int i = 0; i < band.seqlen_q; ++i) {
+        const long long r = (long long)j - i - (band.seqlen_k - band.seqlen_q);
+        n += -(long long)band.left <= r && r <= band.right;
       }
       want = std::max(want, n);
     }
-    const int64_t got = bwd::max_rows_per_key(s, o);
+    const long long got = band.max_rows_per_key();
     if (got != want && failures++ < 10)
-      std::printf("FAIL max_rows_per_key sq %d sk %d window (%d, %d): got %lld, want %lld\n", s.seqlen_q, s.seqlen_k,
-                  o.window_left, o.window_right, (long long)got, (long long)want);
+      std::printf("FAIL max_rows_per_key sq %d sk %d window (%d, %d): got %lld, want %lld\n", band.seqlen_q,
+                  band.seqlen_k, band.left, band.right, got, want);
   }
 }
 

@@ -95,7 +95,7 @@ struct DKVStore<Tr, true> {
 //    has passed that barrier (a 256-thread sync) before leaving the loop, so the other warpgroup
 //    reads only stage (steps - 1) % kStages, its dS buffer, K and its own V rows from now on.
 //    kPasses == 1 makes the DsFull barrier part of every step; kStages >= 2 makes fs a second stage.
-//    kDQLag (no DsFull barrier): the last dQ GEMM after the loop waits on ds_full of step
+//    kPingPong (no DsFull barrier): the last dQ GEMM after the loop waits on ds_full of step
 //    steps - 1, which the other warpgroup arrives on after that step's first WGMMA wait: the same
 //    order.
 // Each warp owns 16 key rows of the WGMMA C layout, so it writes its rows with stmatrix, fences

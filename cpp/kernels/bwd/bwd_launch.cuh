@@ -6,7 +6,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -156,23 +155,6 @@ struct TraitsTag {
   using type = T;
 };
 
-// The most query rows any key sees under the band: key j is seen by rows
-// [j + d - window_right, j + d + window_left] within [0, seqlen_q), d = seqlen_q - seqlen_k. The
-// count is concave in j, so its maximum is at j = 0, j = seqlen_k - 1 or where either end of the
-// range meets the rows' bounds (causal: min(seqlen_q, seqlen_k); 0: no key is seen).
-inline int64_t max_rows_per_key(const AttentionShape& s, const AttentionOptions& o) {
-  const int64_t d = int64_t(s.seqlen_q) - s.seqlen_k, last = int64_t(s.seqlen_k) - 1;
-  auto rows = [&](int64_t j) {
-    j = std::min(std::max<int64_t>(j, 0), last);
-    const int64_t lo = std::max<int64_t>(j + d - o.window_right, 0);
-    const int64_t hi = std::min<int64_t>(j + d + o.window_left, int64_t(s.seqlen_q) - 1);
-    return std::max<int64_t>(hi - lo + 1, 0);
-  };
-  if (last < 0) return 0;
-  return std::max({rows(0), rows(last), rows(int64_t(o.window_right) - d),
-                   rows(int64_t(s.seqlen_q) - 1 - d - o.window_left)});
-}
-
 // The one choice of traits for a backward call, so that its workspace size, workspace layout,
 // pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
@@ -189,7 +171,8 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
     }
     if constexpr (BwdTileHd128PingPong::kMinRows > 0) {
       if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() &&
-          max_rows_per_key(p.shape, p.opts) >= BwdTileHd128PingPong::kMinRows)
+          BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}
+                  .max_rows_per_key() >= BwdTileHd128PingPong::kMinRows)
         return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
                  TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
     }

@@ -248,13 +248,11 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   const FwdPingPong<2, Tr::kPingPong> turn{wg};
   static_assert(!Tr::kPingPong || (kFwdBarPingPong == kBarDsFull && kBarDsFree == kBarDsFull + 1));
   turn.start();
-  // kDQLag: the query head and block of the step whose dQ GEMM is still to come.
-  int lag_h = 0, lag_m = 0;
   using ClusterBar = cutlass::arch::ClusterBarrier;
-  // Issue the dQ GEMM of step it_ds on its dS buffer (kDQLag: once both warpgroups stored it).
+  // Issue the dQ GEMM of step it_ds on its dS buffer (kPingPong: once both warpgroups stored it).
   auto issue_dq = [&](auto& tdQrdQ, int it_ds) {
     const int s = it_ds % kStagesdS;
-    if constexpr (Tr::kDQLag) ClusterBar::wait(&ss.ds_full[s], (it_ds / kStagesdS) & 1);
+    if constexpr (Tr::kPingPong) ClusterBar::wait(&ss.ds_full[s], (it_ds / kStagesdS) & 1);
     if constexpr (Tr::kDQSwapAB) {
       Tensor tdQrK = thr_dq.partition_fragment_A(sKt);
       wgmma_gemm<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, s), tdQrdQ);
@@ -338,8 +336,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           auto store_ds = [&] {
             // With one dS buffer the other warpgroup may still read it (previous dQ GEMM).
             if (kStagesdS == 1 && sub == 0) cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
-            // kDQLag: both warpgroups' dQ GEMMs of this buffer's previous use (step it - kStagesdS) done.
-            if constexpr (Tr::kDQLag) ClusterBar::wait(&ss.ds_empty[ds_stage], ((it / kStagesdS) & 1) ^ 1);
+            // kPingPong: both warpgroups' dQ GEMMs of this buffer's last use (step it - kStagesdS) done.
+            if constexpr (Tr::kPingPong) ClusterBar::wait(&ss.ds_empty[ds_stage], ((it / kStagesdS) & 1) ^ 1);
             copy(ds_copy, thr_ds_copy.retile_S(rdS), tdSsdS(_, _, _, 0, sub, ds_stage));
           };
           if constexpr (Tr::kDsBeforeDv) {
@@ -359,7 +357,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             if constexpr (!Tr::kDsBeforeDv) store_ds();
             if (last) {  // this warpgroup's part of the dS tile is complete
               cutlass::arch::fence_view_async_shared();
-              if constexpr (Tr::kDQLag) ClusterBar::arrive(&ss.ds_full[ds_stage]);
+              if constexpr (Tr::kPingPong) ClusterBar::arrive(&ss.ds_full[ds_stage]);
               else cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
             }
           }
@@ -370,25 +368,22 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt_p);
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
 
-          // The dQ GEMM of this step, or with kDQLag of the previous one (none before the first).
-          if (dq_pass && last && (!Tr::kDQLag || it > it_pass)) {
+          // The dQ GEMM of this step, or with kPingPong of the previous one (none before the first).
+          // (h, m are this step's; only the consumers' own adds read them, not the smem path that
+          // kPingPong takes, whose writer walks the steps in order.)
+          if (dq_pass && last && (!Tr::kPingPong || it > it_pass)) {
             // dQ = dS K over both warpgroups' dS (kDQSwapAB: dQ^T = K^T dS^T, this warpgroup's 64
             // columns x kBlockM); the dK issued behind it retires under the dQ hand-off.
-            const int it_dq = Tr::kDQLag ? it - 1 : it;
+            const int it_dq = Tr::kPingPong ? it - 1 : it;
             Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
             issue_dq(tdQrdQ, it_dq);
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
             warpgroup_fence_operand(tdQrdQ);
-            if constexpr (Tr::kDQLag) ClusterBar::arrive(&ss.ds_empty[it_dq % kStagesdS]);
-            dq_step_out(p, ss, tdQrdQ, b, Tr::kDQLag ? lag_h : h, Tr::kDQLag ? lag_m : m, n_block, ct, wg, t_in_wg,
-                        dq_held);
+            if constexpr (Tr::kPingPong) ClusterBar::arrive(&ss.ds_empty[it_dq % kStagesdS]);
+            dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
-          }
-          if (Tr::kDQLag && dq_pass && last) {
-            lag_h = h;
-            lag_m = m;
           }
         }  // sub-steps
         if constexpr (!Tr::kOverlapDK) {
@@ -403,14 +398,14 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
     // kPingPong: warpgroup 1's last batch may go (its own last signal has no taker). Before the
     // lag's last dQ below: that waits (dq_to_smem) for the writer, which waits for warpgroup 1.
     if (wg == 0 && it > it_pass) turn.signal();
-    if constexpr (Tr::kDQLag) {
+    if constexpr (Tr::kPingPong) {
       if (it > it_pass) {  // the last step's dQ; the tile before it goes to the writer meanwhile
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
         issue_dq(tdQrdQ, it - 1);
         hand_held_dq();
         warpgroup_wait<0>();
         warpgroup_fence_operand(tdQrdQ);
-        dq_step_out(p, ss, tdQrdQ, b, lag_h, lag_m, n_block, ct, wg, t_in_wg, dq_held);
+        dq_step_out(p, ss, tdQrdQ, b, 0, 0, n_block, ct, wg, t_in_wg, dq_held);  // h, m: unread (smem path)
       }
     }
     hand_held_dq();

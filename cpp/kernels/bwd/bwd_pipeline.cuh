@@ -45,13 +45,13 @@ CUTE_DEVICE void init_ring_barriers(typename Tr::SharedStorage& ss) {
 }
 
 // The main kernel's: those above, full_do[s] (dO + D of stage s; split-D has its own dO ring)
-// and kDQLag's dS ring (ds_full / ds_empty: every consumer thread arrives on both).
+// and kPingPong's dS ring (ds_full / ds_empty: every consumer thread arrives on both).
 template <class Tr>
 CUTE_DEVICE void init_main_ring_barriers(typename Tr::SharedStorage& ss) {
   init_ring_barriers<Tr>(ss);
   CUTLASS_PRAGMA_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
-  if constexpr (Tr::kDQLag) {
+  if constexpr (Tr::kPingPong) {
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < Tr::kStagesdS; ++s) {
       cutlass::arch::ClusterBarrier::init(&ss.ds_full[s], Tr::kNumMmaThreads);

@@ -93,9 +93,9 @@ struct BwdTileHd128Full {
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
 // Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=R runs banded hd128 problems without
-// documents in which some key is seen by R or more query rows (max_rows_per_key in
-// bwd_launch.cuh; causal: min(seqlen_q, seqlen_k)) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
-// buffers (kDQLag below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
+// documents in which some key is seen by R or more query rows (BandMask::max_rows_per_key;
+// causal: min(seqlen_q, seqlen_k)) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
+// buffers (kPingPong below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
 // step, and they issue their GEMM batches round robin (kPingPong), so one's exp2 / dS math runs
 // under the other's GEMMs. 0: off; 1: every such problem.
 #ifndef FA3_BWD_HD128_PINGPONG
@@ -224,7 +224,7 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
-  // kDQLag, kPingPong (BwdTileHd128PingPong, experiment FA3_BWD_HD128_PINGPONG):
+  // kPingPong (BwdTileHd128PingPong, experiment FA3_BWD_HD128_PINGPONG):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
   //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
   //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
@@ -233,8 +233,7 @@ struct BwdTraitsT {
   //    round robin on FwdPingPong's barriers, ids 0 and 1: the DsFull / DsFree ids, which this
   //    tile no longer uses.
   static constexpr bool kPingPong = TilePingPong<Tile>::value;
-  static constexpr bool kDQLag = kPingPong;
-  static_assert(!kDQLag || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem && !kNoBand),
+  static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem && !kNoBand),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "
                 "dQ writer, a band");
   static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
@@ -322,7 +321,7 @@ struct BwdTraitsT {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     uint64_t full_do[kStages];  // dO + D of stage s (full[s]: Q + LSE)
-    uint64_t ds_full[kDQLag ? kStagesdS : 1], ds_empty[kDQLag ? kStagesdS : 1];  // kDQLag's dS ring
+    uint64_t ds_full[kPingPong ? kStagesdS : 1], ds_empty[kPingPong ? kStagesdS : 1];  // kPingPong's dS ring
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;

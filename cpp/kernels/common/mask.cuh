@@ -82,6 +82,28 @@ struct BandMask {
     m_end = int(hi / block_m) + 1;
   }
 
+  // The most query rows any one key sees (0: no key is seen): key j is seen by rows
+  // [j - off - right, j - off + left] within [0, seqlen_q). The count is concave in j, so its
+  // maximum is at j = 0, j = seqlen_k - 1 or where either end of the range meets the rows' bounds
+  // (causal: min(seqlen_q, seqlen_k)). 64-bit as key_block_range. The backward's host picks a
+  // tile by it (bwd_launch.cuh).
+  CUTE_HOST_DEVICE long long max_rows_per_key() const {
+    if (seqlen_k <= 0) return 0;
+    auto rows = [&](long long j) {
+      j = j < 0 ? 0 : (j > seqlen_k - 1 ? seqlen_k - 1 : j);
+      long long lo = j - offset() - right, hi = j - offset() + left;
+      if (lo < 0) lo = 0;
+      if (hi > seqlen_q - 1) hi = seqlen_q - 1;
+      return hi < lo ? 0ll : hi - lo + 1;
+    };
+    long long best = rows(0);
+    for (long long j : {(long long)seqlen_k - 1, (long long)right + offset(), (long long)seqlen_q - 1 + offset() - left}) {
+      const long long r = rows(j);
+      if (r > best) best = r;
+    }
+    return best;
+  }
+
   // The lowest key that query row `row` sees, before clamping to 0 (key_block_range's lower bound):
   // its key block is the first to add into the row's dQ (the backward's deterministic turns).
   CUTE_HOST_DEVICE long long first_key(long long row) const { return row + offset() - left; }
