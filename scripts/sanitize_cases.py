@@ -97,8 +97,8 @@ def cases_for(dtype: str, d: int) -> list[Case]:
         c.append(Case("tail-split", dtype, d, 1, 700, 256, hkv, hkv))
     if d == 64:  # the 192-row banded tile for long bands (FwdTileTable<64>::long_banded)
         c.append(Case("long-band", dtype, d, 1, 4100, 4100, 1, 1, causal=True))
-    if d == 128:  # keys seen by 2100 rows: the backward's ping-pong tile where the experiment
-        # FA3_BWD_HD128_PINGPONG (bwd_traits.cuh) runs it from <= 2100 rows, with and without softcap
+    if d == 128:  # keys seen by 2100 rows: the backward's ping-pong tile (from 2048 rows,
+        # bwd_traits.cuh BwdTileHd128PingPong), with and without softcap
         c.append(Case("long-band", dtype, d, 1, 2100, 2100, 2, 1, causal=True))
         c.append(Case("long-band-softcap", dtype, d, 1, 2100, 2100, 2, 1, causal=True, softcap=30.0))
     # Head dims below d run on this kernel (the next compiled one is d's predecessor in

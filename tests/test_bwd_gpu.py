@@ -150,9 +150,9 @@ def test_long_sequence(causal):
     _check(1, 4097, 4097, 2, 1, d, jnp.bfloat16, right=0 if causal else UNB, oracle="f32")
 
 
-# Long bands: keys seen by up to 2101-2200 query rows, ragged last blocks, GQA. Where the
-# experiment FA3_BWD_HD128_PINGPONG is on (bwd_traits.cuh) with a threshold up to 2048, these
-# run its out-of-lockstep tile, which short shapes never reach.
+# Long bands: keys seen by up to 2101-2200 query rows, ragged last blocks, GQA. At hd128 these
+# run the out-of-lockstep ping-pong tile (keys seen by >= 2048 rows, bwd_traits.cuh), which short
+# shapes never reach.
 @pytest.mark.parametrize("dtype,left,right,softcap", [
     (jnp.bfloat16, UNB, 0, 0.0), (jnp.float16, UNB, 0, 0.0), (jnp.bfloat16, 1500, 600, 0.0),
     (jnp.bfloat16, UNB, 0, 30.0),

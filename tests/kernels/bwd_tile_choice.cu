@@ -1,11 +1,8 @@
 // Unit test (host, no GPU) of the backward launcher's tile choice (bwd/bwd_launch.cuh
 // with_bwd_traits): hd128 problems without a band and without softcap on the 80-row tile; banded
-// problems in which some key is seen by at least FA3_BWD_HD128_PINGPONG query rows, without
-// documents, on the ping-pong tile (BwdTileHd128PingPong, softcap included); every other one on
-// the 64-row tile; the most rows a key sees (BandMask::max_rows_per_key) against brute force. The
-// experiment's threshold is set here, so the rule is checked while the build's default leaves
-// the tile off.
-#define FA3_BWD_HD128_PINGPONG 2048
+// problems in which some key is seen by at least BwdTileHd128PingPong::kMinRows (2048) query
+// rows, without documents, on the ping-pong tile (softcap included); every other one on the
+// 64-row tile; the most rows a key sees (BandMask::max_rows_per_key) against brute force.
 #include <algorithm>
 #include <cstdio>
 #include "bwd/bwd_launch.cuh"

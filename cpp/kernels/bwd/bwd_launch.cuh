@@ -160,8 +160,8 @@ struct TraitsTag {
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
 // that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
 // FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
-// Experiment FA3_BWD_HD128_PINGPONG (bwd_traits.cuh): banded hd128 problems without documents
-// in which some key is seen by at least BwdTileHd128PingPong::kMinRows query rows run its tile.
+// Banded hd128 problems without documents in which some key is seen by at least
+// BwdTileHd128PingPong::kMinRows query rows run that tile (bwd_traits.cuh).
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
@@ -169,13 +169,11 @@ auto with_bwd_traits(const BwdParams& p, F&& f) {
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
-    if constexpr (BwdTileHd128PingPong::kMinRows > 0) {
-      if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() &&
-          BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}
-                  .max_rows_per_key() >= BwdTileHd128PingPong::kMinRows)
-        return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
-                 TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
-    }
+    if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() &&
+        BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}
+                .max_rows_per_key() >= BwdTileHd128PingPong::kMinRows)
+      return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
+               TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
   }
   return f(TraitsTag<BwdTraitsFor<Element, kHeadDim, false>>{},
            TraitsTag<BwdTraitsFor<Element, kHeadDim, true>>{});

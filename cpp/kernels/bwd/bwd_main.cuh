@@ -24,9 +24,9 @@
 #include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_traits.cuh"
 #include "common/mask.cuh"
+#include "common/pingpong.cuh"
 #include "common/softmax.cuh"
 #include "common/utils.cuh"
-#include "fwd/fwd_pipeline.cuh"  // FwdPingPong (experiment FA3_BWD_HD128_PINGPONG)
 
 namespace fa3 {
 namespace bwd {
@@ -245,8 +245,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   };
   // kPingPong: warpgroup 0 issues first; each hands the turn on after its batch (dV, dQ, dK and
   // the next step's S^T / dP^T).
-  const FwdPingPong<2, Tr::kPingPong> turn{wg};
-  static_assert(!Tr::kPingPong || (kFwdBarPingPong == kBarDsFull && kBarDsFree == kBarDsFull + 1));
+  const WarpgroupPingPong<2, Tr::kPingPong, kBarDsFull> turn{wg};
+  static_assert(kBarDsFree == kBarDsFull + 1);
   turn.start();
   using ClusterBar = cutlass::arch::ClusterBarrier;
   // Issue the dQ GEMM of step it_ds on its dS buffer (kPingPong: once both warpgroups stored it).

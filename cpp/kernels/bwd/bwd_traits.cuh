@@ -92,19 +92,16 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
-// Experiment (off; issue 29): FA3_BWD_HD128_PINGPONG=R runs banded hd128 problems without
-// documents in which some key is seen by R or more query rows (BandMask::max_rows_per_key;
-// causal: min(seqlen_q, seqlen_k)) on the 64-row tile out of lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS
-// buffers (kPingPong below, +16 KB), so no 256-thread dS barrier holds the warpgroups together every
-// step, and they issue their GEMM batches round robin (kPingPong), so one's exp2 / dS math runs
-// under the other's GEMMs. 0: off; 1: every such problem.
-#ifndef FA3_BWD_HD128_PINGPONG
-#define FA3_BWD_HD128_PINGPONG 0
-#endif
+// Banded hd128 problems without documents in which some key is seen by kMinRows or more query
+// rows (BandMask::max_rows_per_key; causal: min(seqlen_q, seqlen_k)) run the 64-row tile out of
+// lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS buffers (kPingPong below,
+// +16 KB), so no 256-thread dS barrier holds the warpgroups together every step, and they issue
+// their GEMM batches round robin, so one's exp2 / dS math runs under the other's GEMMs. H100,
+// causal: +1..+6% from 2k rows, -2% at 512 / 1k (too few steps to stagger), hence 2048.
 struct BwdTileHd128PingPong : BwdTile<128> {
   static constexpr int kStagesdS = 3;
   static constexpr bool kPingPong = true;
-  static constexpr int64_t kMinRows = FA3_BWD_HD128_PINGPONG;
+  static constexpr int64_t kMinRows = 2048;
 };
 
 // kDQSwapAB, kDQSplitM, kNoBand, kPingPong of a tile (false where the tile does not say).
@@ -224,14 +221,14 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
-  // kPingPong (BwdTileHd128PingPong, experiment FA3_BWD_HD128_PINGPONG):
+  // kPingPong (BwdTileHd128PingPong):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
   //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
   //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
   //    barrier every step;
   //  - the warpgroups issue their batches (dV, the lagged dQ, dK, then the next step's S^T / dP^T)
-  //    round robin on FwdPingPong's barriers, ids 0 and 1: the DsFull / DsFree ids, which this
-  //    tile no longer uses.
+  //    round robin (WarpgroupPingPong) on barrier ids 0 and 1: the DsFull / DsFree ids, which
+  //    this tile does not use.
   static constexpr bool kPingPong = TilePingPong<Tile>::value;
   static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem && !kNoBand),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "

@@ -13,6 +13,7 @@
 #include <cfloat>
 
 #include "common/mask.cuh"
+#include "common/pingpong.cuh"
 #include "common/softmax.cuh"
 #include "fwd/fwd_epilogue.cuh"
 #include "fwd/fwd_pipeline.cuh"
@@ -117,7 +118,7 @@ CUTE_DEVICE void fwd_consumer(typename T::Params const& p, typename T::SharedSto
   typename T::PipelineState read;  // of both rings (fwd_pipeline.cuh); consumers start at phase 0
   bool const softcap = p.scale.softcap;
   float pre_tanh = p.scale.pre_tanh;
-  FwdPingPong<T::kNumMmaWG, T::kPingPong> const pingpong{wg};
+  WarpgroupPingPong<T::kNumMmaWG, T::kPingPong, kFwdBarPingPong> const pingpong{wg};
   pingpong.start();
 
   int const num_tiles = p.sched.num_tiles();

@@ -10,7 +10,7 @@
 //     that the next tile's Q loads a tile ahead. full completes when the buffer holds the tile
 //     (TMA landed, or a plain arrival for a tile without keys or the end marker); empty when
 //     every consumer thread is past its tile's last Q K^T (one arrival per thread).
-//   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (FwdPingPong).
+//   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (WarpgroupPingPong).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -22,7 +22,7 @@
 namespace fa3 {
 
 // Named barrier ids (NamedBarrier adds CUTLASS's reserved ids below them).
-constexpr int kFwdBarPingPong = 0;  // + consumer warpgroup, < 3 warpgroups
+constexpr int kFwdBarPingPong = 0;  // + consumer warpgroup, < 3 warpgroups (WarpgroupPingPong)
 
 template <int kStages>
 using FwdKVPipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -259,40 +259,6 @@ struct FwdQConsumer<T, true> {
     return true;
   }
   CUTE_DEVICE void release(FwdTile const& tile) { cutlass::arch::ClusterBarrier::arrive(&ss.qsync.empty[tile.buf]); }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Ping-pong (kEnabled; round robin with three consumer warpgroups): warpgroup wg may issue its
-// GEMMs once the previous one, (wg - 1) mod kNumMmaWG, has issued its own; it then hands the
-// turn to (wg + 1) mod kNumMmaWG. Barrier kFwdBarPingPong + w is synced by warpgroup w and
-// arrived at by its predecessor (2 x 128 threads). The branches on wg keep the barrier ids
-// immediates (a register id stayed live across the main loop and was spilled).
-template <int kNumMmaWG, bool kEnabled>
-struct FwdPingPong {
-  int wg;
-
-  // Warpgroup 0 issues first: give it the turn that the last warpgroup would otherwise hand over.
-  CUTE_DEVICE void start() const {
-    if constexpr (kEnabled) {
-      if (wg == kNumMmaWG - 1) cutlass::arch::NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 0);
-    }
-  }
-  CUTE_DEVICE void wait() const {
-    using cutlass::arch::NamedBarrier;
-    if constexpr (kEnabled) {
-      if (wg == 0) NamedBarrier::sync(2 * 128, kFwdBarPingPong + 0);
-      else if (kNumMmaWG == 2 || wg == 1) NamedBarrier::sync(2 * 128, kFwdBarPingPong + 1);
-      else NamedBarrier::sync(2 * 128, kFwdBarPingPong + 2);
-    }
-  }
-  CUTE_DEVICE void signal() const {
-    using cutlass::arch::NamedBarrier;
-    if constexpr (kEnabled) {
-      if (wg == 0) NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 1);
-      else if (kNumMmaWG == 3 && wg == 1) NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 2);
-      else NamedBarrier::arrive(2 * 128, kFwdBarPingPong + 0);
-    }
-  }
 };
 
 }  // namespace fa3

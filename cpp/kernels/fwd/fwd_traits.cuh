@@ -46,7 +46,7 @@ struct FwdTraits {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // The consumer warpgroups take turns to issue their GEMMs (fwd_pipeline.cuh, FwdPingPong).
+  // The consumer warpgroups take turns to issue their GEMMs (common/pingpong.cuh).
   static constexpr bool kPingPong = kPingPong_;
   // false: the caller guarantees the band does not cut into the key range (both sides reach
   // past seqlen_q + seqlen_k), so boundary blocks need only the seqlen_k mask (fewer registers).
