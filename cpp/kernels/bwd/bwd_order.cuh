@@ -103,10 +103,10 @@ struct BwdTailSplit {
 };
 
 // Whether the main kernel can run a tail unit split over several CTAs: one pass over the query
-// blocks (dK/dV whole in registers at the end). Not the ping-pong tile: it runs banded problems
-// only, which never split.
+// blocks (dK/dV whole in registers at the end). Not the banded ping-pong tile: banded problems
+// never split.
 template <class Tr>
-constexpr bool kTailSplitOk = Tr::kPasses == 1 && !Tr::kPingPong;
+constexpr bool kTailSplitOk = Tr::kPasses == 1 && (!Tr::kPingPong || Tr::kNoBand);
 
 // Host: the split of `num_tiles` equal units of `m_len` query blocks (times `group` query heads)
 // on num_sms SMs, one CTA per SM: the `parts` that minimises the tail's modelled time,

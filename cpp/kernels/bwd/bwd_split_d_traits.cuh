@@ -59,6 +59,7 @@ struct SplitDTraits {
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   using DQTileShape = Shape<Int<kBlockM>, Int<kHdChunk>>;  // one dQ chunk, (queries, columns)
   static constexpr bool kDQSmem = false;
+  static constexpr bool kPingPong = false;  // the warpgroups in lockstep (see BwdTraitsT::kPingPong)
   // The consumers take their warpgroup index warp-uniform (WGMMA descriptors in uniform
   // registers, not per thread + R2UR; see BwdTraitsT::kUniformWg).
   static constexpr bool kUniformWg = true;

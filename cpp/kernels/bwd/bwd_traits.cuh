@@ -91,6 +91,12 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSmem = true, kOverlapP = false, kOverlapDK = false;
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
+  // Experiment (off; issue 29): FA3_BWD_HD128_FULL_PINGPONG=1 runs this tile out of lockstep as
+  // BwdTileHd128PingPong does below (dQ a step late, on its two dS buffers; GEMM batches by turns).
+#ifndef FA3_BWD_HD128_FULL_PINGPONG
+#define FA3_BWD_HD128_FULL_PINGPONG 0
+#endif
+  static constexpr bool kPingPong = FA3_BWD_HD128_FULL_PINGPONG != 0;
 };
 // Banded hd128 problems without documents in which some key is seen by kMinRows or more query
 // rows (BandMask::max_rows_per_key; causal: min(seqlen_q, seqlen_k)) run the 64-row tile out of
@@ -230,9 +236,9 @@ struct BwdTraitsT {
   //    round robin (WarpgroupPingPong) on barrier ids 0 and 1: the DsFull / DsFree ids, which
   //    this tile does not use.
   static constexpr bool kPingPong = TilePingPong<Tile>::value;
-  static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem && !kNoBand),
+  static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "
-                "dQ writer, a band");
+                "dQ writer");
   static_assert(kBlockMSdP % 64 == 0 || kShflSegLane, "a partial 64-column group needs the kShflSegLane path");
   static_assert(kBlockM % kBlockMSdP == 0 && kBlockMSdP % 16 == 0 &&
                 (kBlockMSdP % 64 == 0 || (kBlockMSdP == kBlockM && kDQSwapAB)));
