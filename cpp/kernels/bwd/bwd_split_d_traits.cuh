@@ -59,7 +59,8 @@ struct SplitDTraits {
   static constexpr int kDQWgFloats = kBlockM * kHdChunk / kNumMmaWG;
   using DQTileShape = Shape<Int<kBlockM>, Int<kHdChunk>>;  // one dQ chunk, (queries, columns)
   static constexpr bool kDQSmem = false;
-  static constexpr bool kPingPong = false;  // the warpgroups in lockstep (see BwdTraitsT::kPingPong)
+  // Every problem, banded or not; the warpgroups in lockstep (see BwdTraitsT::kPingPong).
+  static constexpr bool kNoBand = false, kPingPong = false;
   // The consumers take their warpgroup index warp-uniform (WGMMA descriptors in uniform
   // registers, not per thread + R2UR; see BwdTraitsT::kUniformWg).
   static constexpr bool kUniformWg = true;
