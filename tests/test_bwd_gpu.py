@@ -151,12 +151,12 @@ def test_long_sequence(causal):
 
 
 # Long bands: keys seen by up to 2101-2200 query rows, ragged last blocks, GQA. At hd128 these
-# run the out-of-lockstep ping-pong tile (keys seen by >= 2048 rows, bwd_traits.cuh), which short
-# shapes never reach.
+# run the out-of-lockstep ping-pong tiles (keys seen by >= 2048 rows, bwd_traits.cuh; the
+# unbanded one while experiment FA3_BWD_HD128_FULL_PINGPONG is on), which short shapes never reach.
 @pytest.mark.parametrize("dtype,left,right,softcap", [
     (jnp.bfloat16, UNB, 0, 0.0), (jnp.float16, UNB, 0, 0.0), (jnp.bfloat16, 1500, 600, 0.0),
-    (jnp.bfloat16, UNB, 0, 30.0),
-], ids=["causal-bf16", "causal-fp16", "window-bf16", "causal-softcap"])
+    (jnp.bfloat16, UNB, 0, 30.0), (jnp.bfloat16, UNB, UNB, 0.0), (jnp.float16, UNB, UNB, 0.0),
+], ids=["causal-bf16", "causal-fp16", "window-bf16", "causal-softcap", "full-bf16", "full-fp16"])
 def test_long_bands(dtype, left, right, softcap):
     _check(1, 2200, 2200, 4, 2, 128, dtype, left=left, right=right, softcap=softcap, oracle="f32")
 
@@ -180,6 +180,13 @@ def _tail_split_shape():
 def test_tail_split(d, group):
     hkv = _tail_split_shape()
     _check(1, 700, 256, hkv * group, hkv, d, jnp.bfloat16)
+
+
+def test_long_rows_tail_split():
+    """The unbanded hd128 tile at >= 2048 rows per key (the ping-pong one while experiment
+    FA3_BWD_HD128_FULL_PINGPONG is on) with the tail split, as test_tail_split at 2100 rows."""
+    hkv = _tail_split_shape()
+    _check(1, 2100, 256, hkv, hkv, 128, jnp.bfloat16, oracle="f32")
 
 
 def _check_deterministic(sq, sk, hq, hkv, left, right, runs):

@@ -3,6 +3,9 @@
 // problems in which some key is seen by at least BwdTileHd128PingPong::kMinRows (2048) query
 // rows, without documents, on the ping-pong tile (softcap included); every other one on the
 // 64-row tile; the most rows a key sees (BandMask::max_rows_per_key) against brute force.
+// Experiment FA3_BWD_HD128_FULL_PINGPONG (bwd_traits.cuh) at the threshold measured: unbanded
+// problems whose keys are seen by >= 2048 rows on the 80-row ping-pong tile.
+#define FA3_BWD_HD128_FULL_PINGPONG 2048
 #include <algorithm>
 #include <cstdio>
 #include "bwd/bwd_launch.cuh"
@@ -77,7 +80,12 @@ int main() {
   using H = cutlass::half_t;
   const int U = kUnbounded;
   const Choice full{80, 2, true, false}, band{64, 2, false, false}, ping{64, 3, false, true};
-  expect("bf16 nc 16k", choose<B, 128>(16384, 16384, U, U), full);
+  const Choice full_ping{80, 2, true, true};
+  expect("bf16 nc 16k", choose<B, 128>(16384, 16384, U, U), full_ping);
+  expect("fp16 nc 2k", choose<H, 128>(2048, 2048, U, U), full_ping);
+  expect("bf16 nc 2047", choose<B, 128>(2047, 2047, U, U), full);
+  expect("bf16 nc sq 1k sk 16k", choose<B, 128>(1024, 16384, U, U), full);
+  expect("bf16 nc sq 16k sk 1k", choose<B, 128>(16384, 1024, U, U), full_ping);
   expect("bf16 nc softcap 16k", choose<B, 128>(16384, 16384, U, U, 30.f), band);
   expect("bf16 causal 1k", choose<B, 128>(1024, 1024, U, 0), band);
   expect("bf16 causal 2047", choose<B, 128>(2047, 2047, U, 0), band);

@@ -165,13 +165,19 @@ struct TraitsTag {
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
+    const int64_t rows_per_key =
+        BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}.max_rows_per_key();
     if (!(p.opts.softcap > 0.f) && !work_varies(p.shape, p.opts, p.docs)) {
+      if constexpr (BwdTileHd128FullPingPong::kMinRows > 0) {
+        if (rows_per_key >= BwdTileHd128FullPingPong::kMinRows) {
+          using FullPingPong = BwdTraitsHd128FullPingPong<Element, false>;
+          return f(TraitsTag<FullPingPong>{}, TraitsTag<FullPingPong>{});
+        }
+      }
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
-    if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() &&
-        BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}
-                .max_rows_per_key() >= BwdTileHd128PingPong::kMinRows)
+    if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() && rows_per_key >= BwdTileHd128PingPong::kMinRows)
       return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
                TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
   }

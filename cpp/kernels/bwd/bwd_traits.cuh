@@ -91,12 +91,16 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSmem = true, kOverlapP = false, kOverlapDK = false;
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
-  // Experiment (off; issue 29): FA3_BWD_HD128_FULL_PINGPONG=1 runs this tile out of lockstep as
-  // BwdTileHd128PingPong does below (dQ a step late, on its two dS buffers; GEMM batches by turns).
+};
+// Experiment (off; issue 29): FA3_BWD_HD128_FULL_PINGPONG=R runs the problems of the 80-row tile
+// with seqlen_q >= R (the rows every key sees) out of lockstep as BwdTileHd128PingPong does
+// below: the dQ GEMM a step late, on the tile's two dS buffers; GEMM batches by turns. 0: off.
 #ifndef FA3_BWD_HD128_FULL_PINGPONG
 #define FA3_BWD_HD128_FULL_PINGPONG 0
 #endif
-  static constexpr bool kPingPong = FA3_BWD_HD128_FULL_PINGPONG != 0;
+struct BwdTileHd128FullPingPong : BwdTileHd128Full {
+  static constexpr bool kPingPong = true;
+  static constexpr int64_t kMinRows = FA3_BWD_HD128_FULL_PINGPONG;
 };
 // Banded hd128 problems without documents in which some key is seen by kMinRows or more query
 // rows (BandMask::max_rows_per_key; causal: min(seqlen_q, seqlen_k)) run the 64-row tile out of
@@ -133,6 +137,8 @@ template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128Full : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128Full> {};
 template <typename Element, bool kSoftcap>
 struct BwdTraitsHd128PingPong : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128PingPong> {};
+template <typename Element, bool kSoftcap>
+struct BwdTraitsHd128FullPingPong : BwdTraitsT<Element, 128, kSoftcap, BwdTileHd128FullPingPong> {};
 
 // K-major GMMA shared-memory atom whose width divides kK elements (the widest swizzle that fits).
 template <typename T, int kK>
