@@ -101,8 +101,8 @@ def cases_for(dtype: str, d: int) -> list[Case]:
         # bwd_traits.cuh BwdTileHd128PingPong), with and without softcap
         c.append(Case("long-band", dtype, d, 1, 2100, 2100, 2, 1, causal=True))
         c.append(Case("long-band-softcap", dtype, d, 1, 2100, 2100, 2, 1, causal=True, softcap=30.0))
-        # unbanded, 2100 rows per key, 17 key blocks on more SMs: the tail split (the 80-row
-        # ping-pong tile while experiment FA3_BWD_HD128_FULL_PINGPONG is on)
+        # unbanded, 2100 rows per key, 17 key blocks on more SMs: the 80-row ping-pong tile
+        # with the tail split
         c.append(Case("long-rows", dtype, d, 1, 2100, 2100, 2, 1))
     # Head dims below d run on this kernel (the next compiled one is d's predecessor in
     # 64/96/128/192/256, which d - 8 exceeds): q/k/v narrower, then only v narrower.

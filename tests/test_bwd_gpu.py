@@ -151,8 +151,8 @@ def test_long_sequence(causal):
 
 
 # Long bands: keys seen by up to 2101-2200 query rows, ragged last blocks, GQA. At hd128 these
-# run the out-of-lockstep ping-pong tiles (keys seen by >= 2048 rows, bwd_traits.cuh; the
-# unbanded one while experiment FA3_BWD_HD128_FULL_PINGPONG is on), which short shapes never reach.
+# run the out-of-lockstep ping-pong tiles (keys seen by >= 2048 rows, bwd_traits.cuh), which
+# short shapes never reach.
 @pytest.mark.parametrize("dtype,left,right,softcap", [
     (jnp.bfloat16, UNB, 0, 0.0), (jnp.float16, UNB, 0, 0.0), (jnp.bfloat16, 1500, 600, 0.0),
     (jnp.bfloat16, UNB, 0, 30.0), (jnp.bfloat16, UNB, UNB, 0.0), (jnp.float16, UNB, UNB, 0.0),
@@ -183,8 +183,8 @@ def test_tail_split(d, group):
 
 
 def test_long_rows_tail_split():
-    """The unbanded hd128 tile at >= 2048 rows per key (the ping-pong one while experiment
-    FA3_BWD_HD128_FULL_PINGPONG is on) with the tail split, as test_tail_split at 2100 rows."""
+    """The unbanded hd128 ping-pong tile (>= 2048 rows per key) with the tail split, as
+    test_tail_split at 2100 rows."""
     hkv = _tail_split_shape()
     _check(1, 2100, 256, hkv, hkv, 128, jnp.bfloat16, oracle="f32")
 

@@ -1,11 +1,9 @@
 // Unit test (host, no GPU) of the backward launcher's tile choice (bwd/bwd_launch.cuh
 // with_bwd_traits): hd128 problems without a band and without softcap on the 80-row tile; banded
-// problems in which some key is seen by at least BwdTileHd128PingPong::kMinRows (2048) query
-// rows, without documents, on the ping-pong tile (softcap included); every other one on the
-// 64-row tile; the most rows a key sees (BandMask::max_rows_per_key) against brute force.
-// Experiment FA3_BWD_HD128_FULL_PINGPONG (bwd_traits.cuh) at the threshold measured: unbanded
-// problems whose keys are seen by >= 2048 rows on the 80-row ping-pong tile.
-#define FA3_BWD_HD128_FULL_PINGPONG 2048
+// problems in which some key is seen by at least kBwdPingPongMinRows (2048) query rows, without
+// documents, on the ping-pong tile (softcap included), and such unbanded ones on the 80-row
+// ping-pong tile; every other one on the 64-row tile; the most rows a key sees
+// (BandMask::max_rows_per_key) against brute force.
 #include <algorithm>
 #include <cstdio>
 #include "bwd/bwd_launch.cuh"

@@ -159,25 +159,24 @@ struct TraitsTag {
 // pre/postprocess and main kernel agree: f(TraitsTag<Tr>{}, TraitsTag<TrCap>{}), TrCap being
 // what softcap calls launch. The tile table's traits (BwdTraitsFor: split-D for hd256), except
 // that hd128 problems without a band and without softcap run 80-row steps (BwdTraitsHd128Full;
-// FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel).
-// Banded hd128 problems without documents in which some key is seen by at least
-// BwdTileHd128PingPong::kMinRows query rows run that tile (bwd_traits.cuh).
+// FA3 does the same; its TrCap is never launched: softcap calls keep the 64-row kernel). hd128
+// problems in which some key is seen by at least kBwdPingPongMinRows query rows run out of
+// lockstep (bwd_traits.cuh): those of the 80-row tile on BwdTileHd128FullPingPong, the banded
+// ones without documents on BwdTileHd128PingPong.
 template <typename Element, int kHeadDim, class F>
 auto with_bwd_traits(const BwdParams& p, F&& f) {
   if constexpr (kHeadDim == 128) {
     const int64_t rows_per_key =
         BandMask{p.shape.seqlen_q, p.shape.seqlen_k, p.opts.window_left, p.opts.window_right}.max_rows_per_key();
     if (!(p.opts.softcap > 0.f) && !work_varies(p.shape, p.opts, p.docs)) {
-      if constexpr (BwdTileHd128FullPingPong::kMinRows > 0) {
-        if (rows_per_key >= BwdTileHd128FullPingPong::kMinRows) {
-          using FullPingPong = BwdTraitsHd128FullPingPong<Element, false>;
-          return f(TraitsTag<FullPingPong>{}, TraitsTag<FullPingPong>{});
-        }
+      if (rows_per_key >= kBwdPingPongMinRows) {
+        using FullPingPong = BwdTraitsHd128FullPingPong<Element, false>;
+        return f(TraitsTag<FullPingPong>{}, TraitsTag<FullPingPong>{});
       }
       using Full = BwdTraitsHd128Full<Element, false>;
       return f(TraitsTag<Full>{}, TraitsTag<Full>{});
     }
-    if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() && rows_per_key >= BwdTileHd128PingPong::kMinRows)
+    if (work_varies(p.shape, p.opts, p.docs) && !p.docs.present() && rows_per_key >= kBwdPingPongMinRows)
       return f(TraitsTag<BwdTraitsHd128PingPong<Element, false>>{},
                TraitsTag<BwdTraitsHd128PingPong<Element, true>>{});
   }

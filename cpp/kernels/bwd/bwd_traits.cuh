@@ -92,26 +92,22 @@ struct BwdTileHd128Full {
   static constexpr bool kDQSwapAB = true;
   static constexpr bool kNoBand = true;  // launched only for problems without a band
 };
-// Experiment (off; issue 29): FA3_BWD_HD128_FULL_PINGPONG=R runs the problems of the 80-row tile
-// with seqlen_q >= R (the rows every key sees) out of lockstep as BwdTileHd128PingPong does
-// below: the dQ GEMM a step late, on the tile's two dS buffers; GEMM batches by turns. 0: off.
-#ifndef FA3_BWD_HD128_FULL_PINGPONG
-#define FA3_BWD_HD128_FULL_PINGPONG 0
-#endif
+// hd128 problems in which some key is seen by kBwdPingPongMinRows or more query rows
+// (BandMask::max_rows_per_key: seqlen_q without a band, min(seqlen_q, seqlen_k) causal) run their
+// tile out of lockstep (kPingPong, BwdTraitsT): step i's dQ GEMM runs in step i + 1, so no
+// 256-thread dS barrier holds the warpgroups together every step, and they issue their GEMM
+// batches round robin, so one's exp2 / dS math runs under the other's GEMMs. H100: causal +1..+6%
+// from 2k rows, non-causal +1..+2% (within the card's noise at some points); both lost 2-3% at
+// 512 / 1k (too few steps per CTA to stagger), hence 2048.
+constexpr int64_t kBwdPingPongMinRows = 2048;
+// Without a band and without softcap (the 80-row tile's problems): its two dS buffers hold the lag.
 struct BwdTileHd128FullPingPong : BwdTileHd128Full {
   static constexpr bool kPingPong = true;
-  static constexpr int64_t kMinRows = FA3_BWD_HD128_FULL_PINGPONG;
 };
-// Banded hd128 problems without documents in which some key is seen by kMinRows or more query
-// rows (BandMask::max_rows_per_key; causal: min(seqlen_q, seqlen_k)) run the 64-row tile out of
-// lockstep: step i's dQ GEMM runs in step i + 1 on a ring of three dS buffers (kPingPong below,
-// +16 KB), so no 256-thread dS barrier holds the warpgroups together every step, and they issue
-// their GEMM batches round robin, so one's exp2 / dS math runs under the other's GEMMs. H100,
-// causal: +1..+6% from 2k rows, -2% at 512 / 1k (too few steps to stagger), hence 2048.
+// Banded, without documents: a ring of three dS buffers (+16 KB; two lost with the dK overlap).
 struct BwdTileHd128PingPong : BwdTile<128> {
   static constexpr int kStagesdS = 3;
   static constexpr bool kPingPong = true;
-  static constexpr int64_t kMinRows = 2048;
 };
 
 // kDQSwapAB, kDQSplitM, kNoBand, kPingPong of a tile (false where the tile does not say).
