@@ -165,6 +165,11 @@ def test_long_band_deterministic_bitwise():
     _check_deterministic(2200, 2200, 4, 2, UNB, 0, runs=2)
 
 
+def test_long_rows_deterministic_bitwise():
+    """The unbanded hd128 ping-pong tile (2200 rows per key) in deterministic mode."""
+    _check_deterministic(2200, 2200, 4, 2, UNB, UNB, runs=2)
+
+
 def _tail_split_shape():
     """Kv heads for 2 key blocks per head (seqlen_k 256) and 2 more units than the device has
     SMs: the main kernel then runs one full wave of whole units and splits the last 2 units'

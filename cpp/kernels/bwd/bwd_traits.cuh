@@ -104,7 +104,7 @@ constexpr int64_t kBwdPingPongMinRows = 2048;
 struct BwdTileHd128FullPingPong : BwdTileHd128Full {
   static constexpr bool kPingPong = true;
 };
-// Banded, without documents: a ring of three dS buffers (+16 KB; two lost with the dK overlap).
+// Banded, without documents: a ring of three dS buffers (+16 KB over the 64-row tile's two).
 struct BwdTileHd128PingPong : BwdTile<128> {
   static constexpr int kStagesdS = 3;
   static constexpr bool kPingPong = true;
@@ -229,14 +229,14 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
-  // kPingPong (BwdTileHd128PingPong):
+  // kPingPong (BwdTileHd128PingPong, BwdTileHd128FullPingPong):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
   //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
   //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
   //    barrier every step;
   //  - the warpgroups issue their batches (dV, the lagged dQ, dK, then the next step's S^T / dP^T)
   //    round robin (WarpgroupPingPong) on barrier ids 0 and 1: the DsFull / DsFree ids, which
-  //    this tile does not use.
+  //    these tiles do not use.
   static constexpr bool kPingPong = TilePingPong<Tile>::value;
   static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "

@@ -1,5 +1,5 @@
 // Ping-pong of the consumer warpgroups, shared by the forward and the hd128 ping-pong backward
-// tile: they take turns to issue their GEMM batches, so that one warpgroup's softmax (or dS) math
+// tiles: they take turns to issue their GEMM batches, so that one warpgroup's softmax (or dS) math
 // runs under another's GEMMs.
 #pragma once
 
