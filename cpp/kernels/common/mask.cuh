@@ -89,12 +89,10 @@ struct BandMask {
   // tile by it (bwd_launch.cuh).
   CUTE_HOST_DEVICE long long max_rows_per_key() const {
     if (seqlen_k <= 0) return 0;
-    auto rows = [&](long long j) {
-      j = j < 0 ? 0 : (j > seqlen_k - 1 ? seqlen_k - 1 : j);
-      long long lo = j - offset() - right, hi = j - offset() + left;
-      if (lo < 0) lo = 0;
-      if (hi > seqlen_q - 1) hi = seqlen_q - 1;
-      return hi < lo ? 0ll : hi - lo + 1;
+    auto rows = [&](long long j) {  // key j's rows: query_block_range of a 1-key block, 1-row blocks
+      int m_begin, m_end;
+      query_block_range(int(j < 0 ? 0 : (j > seqlen_k - 1 ? seqlen_k - 1 : j)), 1, 1, m_begin, m_end);
+      return (long long)(m_end - m_begin);
     };
     long long best = rows(0);
     for (long long j : {(long long)seqlen_k - 1, (long long)right + offset(), (long long)seqlen_q - 1 + offset() - left}) {
