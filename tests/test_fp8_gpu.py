@@ -159,6 +159,13 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     # Bands of at least 4096 rows and keys: hd128's long-band tile (192 keys, band mask).
     ("long band causal", (1, 4097, 4097, 2, 1, 128, 128), "head", dict(causal=True)),
     ("long band window", (1, 4500, 4300, 2, 1, 128, 128), "head", dict(window_size=(4200, 30))),
+    # More tiles than an H100/H200 has SMs, so CTAs run several tiles: the banded kernels' dynamic
+    # schedule (Q buffers by turns, tiles without keys among them) and, banded or not, the V
+    # transposers running across tiles up to the V ring's end marker.
+    ("many tiles causal", (2, 300, 300, 36, 12, 64, 64), "head", dict(causal=True)),
+    ("many tiles causal sq>sk", (2, 400, 260, 36, 12, 128, 128), "head", dict(causal=True)),
+    ("many tiles window", (2, 300, 500, 36, 12, 256, 256), "head", dict(window_size=(100, 20))),
+    ("many tiles full", (2, 400, 300, 36, 12, 128, 128), "head", {}),
 ]
 
 

@@ -52,13 +52,17 @@ def test_cases_cover_every_option(dtype, d):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_cases(d, portable):
     """Forward-only FP8 cases on the FP8 kernel's own head dim: both tiles, causal with rows
-    that see no key, window + softcap, GQA and MQA, v's own head dim (a multiple of 16); one runs."""
+    that see no key, window + softcap, GQA and MQA, v's own head dim (a multiple of 16), more tiles
+    than SMs; one runs."""
     cases = sanitize_cases.fp8_cases_for(d)
     assert all(c.dtype == "float8_e4m3fn" and c.d == d and c.head_dim_v % 16 == 0 for c in cases)
     assert any(not c.causal and c.window == (-1, -1) for c in cases)
     assert any(c.causal and c.sq > c.sk for c in cases) and any(c.window != (-1, -1) for c in cases)
     assert any(c.softcap for c in cases) and any(c.hkv == 1 < c.hq for c in cases)
     assert any(c.head_dim_v != c.d for c in cases)
+    # CTAs that run several tiles: more 192-row tiles than an H200 has SMs, banded and not
+    assert any(c.causal and c.b * c.hq * -(-c.sq // 192) > 132 for c in cases)
+    assert any(not c.causal and c.b * c.hq * -(-c.sq // 192) > 132 for c in cases)
     if d == 64:
         assert sanitize_cases.run_case(sanitize_cases.Case("fp8", "float8_e4m3fn", 64, 1, 37, 50, 4, 2,
                                                            causal=True)) >= 0.0

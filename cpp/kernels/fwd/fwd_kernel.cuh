@@ -32,6 +32,9 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     fwd_q_barriers_init<T>(ss);
+    if constexpr (T::kFp8) {
+      for (int s = 0; s < T::kStages; ++s) ss.v_end[s] = 0;
+    }
   }
   typename T::Pipeline::Params const pp = fwd_kv_pipeline_params<T>(warp_group);
   typename T::Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
@@ -43,7 +46,7 @@ __global__ void __launch_bounds__(T::kNumThreads, 1) fwd_kernel(__grid_constant_
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) fwd_producer<T>(p, ss, pipe_k, pipe_v);
     if constexpr (T::kFp8) {
-      if (fwd_is_v_transposer<T>()) fwd_transpose_v<T>(p, ss, pipe_v, pipe_vt);
+      if (fwd_is_v_transposer<T>()) fwd_transpose_v<T>(ss, pipe_v, pipe_vt);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();

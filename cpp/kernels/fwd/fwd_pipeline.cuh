@@ -72,6 +72,19 @@ CUTE_DEVICE auto fwd_vt_pipeline(typename T::SharedStorage& ss, int warp_group) 
   }
 }
 
+// FP8: the producer's last entry in the V ring, after the CTA's last V block: a stage completed
+// by a plain arrival (no TMA) whose flag v_end[stage] is 1. The V transposers stop there
+// (fwd_transpose.cuh), so they need not know the tiles, whichever schedule hands them out. The
+// flags start at 0 (before the CTA's first __syncthreads) and only the marker's is written, by
+// the producer once it owns the stage: every transposer read the flag of the stage's earlier
+// blocks before releasing them, and reads the marker's after the arrival that publishes it.
+template <class T>
+CUTE_DEVICE void fwd_v_end_marker(typename T::SharedStorage& ss, typename T::PipelineState s) {
+  ss.pipe_v.empty_barrier_[s.index()].wait(s.phase());  // as producer_acquire, without the tx
+  ss.v_end[s.index()] = 1;
+  ss.pipe_v.full_barrier_[s.index()].arrive();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q hand-off: its shared memory in the one- and the two-buffer form (FwdTraits::SharedStorage::qsync).
 struct FwdQBuffer {

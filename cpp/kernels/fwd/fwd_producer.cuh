@@ -83,6 +83,7 @@ CUTE_DEVICE void fwd_producer(typename T::Params const& p, typename T::SharedSto
     }
   }
   q.finish(p.sched.template dynamic<T::kDynamicSchedule>(), num_tiles);
+  if constexpr (T::kFp8) fwd_v_end_marker<T>(ss, v_state);
 }
 
 }  // namespace fa3

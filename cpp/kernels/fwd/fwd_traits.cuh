@@ -21,6 +21,7 @@ template <class Element, int kVtElems, int kStages>
 struct FwdVtStorage<true, Element, kVtElems, kStages> {
   cute::array_aligned<Element, kVtElems, 1024> vt;
   alignas(16) typename cutlass::PipelineAsync<kStages>::SharedStorage pipe_vt;
+  uint32_t v_end[kStages];  // per V stage: 1 once it holds the end marker (fwd_v_end_marker)
 };
 
 // V as the B operand of O += P V, (d, n, stages). bf16 / fp16: V's own (n, d) tiles viewed
@@ -62,12 +63,12 @@ struct FwdTraits {
   // Banded kernels with 2 consumers carry the dynamic tile schedule (common/scheduler.cuh),
   // whose producer code spilled at 24 registers: 128 * 40 + 256 * 232 = 64512 as well (the
   // consumers peak at R223). The 3-consumer banded tile runs one CTA per tile instead.
-  // FP8: the static schedule only, so that the V transposers walk the tiles on their own
-  // (fwd_transpose.cuh); 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold
-  // O d/2 + S kBlockN/2 + P kBlockN/8). The transposers also run on 32, one tile's loads at a
-  // time, where the registers are needed elsewhere: the three-consumer tiles (hd64 and hd128
-  // unbanded).
-  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2 && !kFp8;
+  // FP8: 56 producer registers (128 * 56 + 256 * 224 = 64512; the consumers hold O d/2 + S
+  // kBlockN/2 + P kBlockN/8), banded or not. The V transposers follow the V ring up to its end
+  // marker, not the tiles, so they run under either schedule. They also run on 32, one tile's
+  // loads at a time, where the registers are needed elsewhere: the three-consumer tiles (hd64
+  // and hd128 unbanded).
+  static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
   // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16. (hd128 on
   // 56 / 152, its transposers spill-free and two tiles at a time, measured -5..-7%.)
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);

@@ -6,8 +6,9 @@
 // through pipe_vt (a cutlass::PipelineAsync: full once all 64 transposer threads have written
 // their part, empty once every consumer thread's P V has completed). Inside each 16-key chunk the
 // keys go to the A-operand slots of P's registers (common/utils.cuh, fp8_key_slot), so that P
-// needs no shuffle. The transposers walk the tiles as the producer does (FP8 kernels keep the
-// static schedule, FwdTraits::kDynamicSchedule), so they know how many blocks each tile has.
+// needs no shuffle. The transposers take the V blocks in ring order up to the producer's end
+// marker (fwd_pipeline.cuh, fwd_v_end_marker): they never look at the tiles, so the dynamic tile
+// schedule of the banded kernels serves them as the static one does.
 #pragma once
 
 #include "fwd/fwd_pipeline.cuh"
@@ -137,7 +138,7 @@ CUTE_DEVICE void fwd_transpose_block(uint32_t v, uint32_t vt, uint32_t x_ld, uin
 
 // Run by the transposer threads: warps 1-2 of warpgroup 0.
 template <class T>
-CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::SharedStorage& ss,
+CUTE_DEVICE void fwd_transpose_v(typename T::SharedStorage& ss,
                                  typename T::Pipeline& pipe_v, typename T::PipelineVt& pipe_vt) {
   using Map = Fp8TransposeMap<T>;
   int const tid = threadIdx.x - 32;
@@ -146,23 +147,18 @@ CUTE_DEVICE void fwd_transpose_v(typename T::Params const& p, typename T::Shared
   uint32_t const v0 = cute::cast_smem_ptr_to_uint(ss.v.data());
   uint32_t const vt0 = cute::cast_smem_ptr_to_uint(ss.vt.data());
   typename T::PipelineState read;  // of pipe_v: starts at phase 0 like the consumers'
-  int const num_tiles = p.sched.num_tiles();
-  static_assert(!T::kDynamicSchedule, "the transposers follow the producer's tiles on their own");
-  for (int t = blockIdx.x; t < num_tiles; t = p.sched.template next<false>(t)) {
-    FwdTile const tile = fwd_tile<T>(p, t);
-    for (int n = tile.n_begin; n < tile.n_end; ++n) {
-      pipe_v.consumer_wait(read);
-      // The Vt ring has the V ring's stages and advances with it: its producer state is read's
-      // with the phase flipped (a producer starts at phase 1): one state less to keep.
-      typename T::PipelineState const write(read.index(), read.phase() ^ 1u, read.count());
-      pipe_vt.producer_acquire(write);
-      uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
-      fwd_transpose_block<T>(v, vt, x_ld, x_st);
-      cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
-      pipe_vt.producer_commit(write);
-      pipe_v.consumer_release(read);
-      ++read;
-    }
+  for (;; ++read) {
+    pipe_v.consumer_wait(read);
+    if (*reinterpret_cast<uint32_t volatile*>(&ss.v_end[read.index()])) break;  // the end marker
+    // The Vt ring has the V ring's stages and advances with it: its producer state is read's
+    // with the phase flipped (a producer starts at phase 1): one state less to keep.
+    typename T::PipelineState const write(read.index(), read.phase() ^ 1u, read.count());
+    pipe_vt.producer_acquire(write);
+    uint32_t const v = v0 + read.index() * Map::kStageBytes, vt = vt0 + write.index() * Map::kStageBytes;
+    fwd_transpose_block<T>(v, vt, x_ld, x_st);
+    cutlass::arch::fence_view_async_shared();  // the consumers' WGMMAs read these stores
+    pipe_vt.producer_commit(write);
+    pipe_v.consumer_release(read);
   }
 }
 
