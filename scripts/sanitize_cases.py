@@ -157,6 +157,8 @@ def compiled_cases(which: str) -> list[Case]:
     if which == "issue24":
         return [c for c in ISSUE24 if (c.dtype, c.d) in both]
     fp8 = sorted(d for dt, d in info["fwd"] if dt == FP8)
+    if which == "fp8":  # the FP8 forward alone (a change that touches only its kernels or tiles)
+        return [c for d in fp8 for c in fp8_cases_for(d)]
     return [c for dt, d in both for c in cases_for(dt, d)] + [c for d in fp8 for c in fp8_cases_for(d)]
 
 
@@ -247,8 +249,9 @@ def compiled_kernels() -> list[str]:
     return sorted(n for n in names if "3fa3" in n)
 
 
-def coverage(cases: list[Case]) -> int:
-    """Run the cases under the JAX profiler; 0 when every compiled fa3 kernel was launched."""
+def coverage(cases: list[Case], fp8_only: bool = False) -> int:
+    """Run the cases under the JAX profiler; 0 when every compiled fa3 kernel (fp8_only: every
+    FP8 one) was launched."""
     trace_dir = tempfile.mkdtemp(prefix="fa3_cov_")
     with jax.profiler.trace(trace_dir):
         run(cases)
@@ -258,7 +261,7 @@ def coverage(cases: list[Case]) -> int:
         for plane in data.planes:
             if plane.name.startswith("/device:GPU"):
                 launched.update(ev.name for line in plane.lines for ev in line.events)
-    mangled = compiled_kernels()
+    mangled = [m for m in compiled_kernels() if not fp8_only or "float_e4m3" in m]
     readable = _demangle(mangled)
     # A kernel counts as launched when the trace names it mangled or demangled (compared without
     # whitespace and parameter list: demanglers format template arguments differently).
@@ -267,7 +270,8 @@ def coverage(cases: list[Case]) -> int:
     flat = "\n".join(launched)
     keys = "\n".join(key(n) for n in launched)
     missing = [r for m, r in zip(mangled, readable) if m not in flat and key(r) not in keys]
-    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 kernels launched")
+    what = "FP8 " if fp8_only else ""
+    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 {what}kernels launched")
     for r in missing:
         print(f"  NOT LAUNCHED: {r}")
     if missing:  # how the trace spells kernel names, to see why a name did not match
@@ -280,7 +284,7 @@ def coverage(cases: list[Case]) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--set", choices=["all", "issue24"], default="all")
+    ap.add_argument("--set", choices=["all", "issue24", "fp8"], default="all")
     ap.add_argument("--part", default="0/1", help="run cases I, I+N, I+2N, ... (I/N): one sanitizer "
                     "process per part, side by side")
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
@@ -302,7 +306,7 @@ def main() -> int:
         print(f"sanitize_cases: the kernels cannot run here: {reason}", file=sys.stderr)
         return 1
     if args.coverage:
-        return coverage(cases)
+        return coverage(cases, fp8_only=args.set == "fp8")
     run(cases)
     return 0
 
