@@ -93,3 +93,15 @@ def test_a_non_finite_result_fails(monkeypatch):
     case = sanitize_cases.Case("full", "bfloat16", 64, 1, 9, 9, 2, 2)
     with pytest.raises(AssertionError, match="non-finite"):
         sanitize_cases.run_case(case)
+
+
+def test_sets_by_build(monkeypatch):
+    """The sets a build gives: every case of the (dtype, head dim)s compiled both ways plus the
+    FP8 forward's (`all`), or the FP8 forward's alone (`fp8`, SANITIZE_SET=fp8)."""
+    info = {"fwd": [("bfloat16", 128), ("float8_e4m3fn", 64), ("float8_e4m3fn", 128)],
+            "bwd": [("bfloat16", 128)]}
+    monkeypatch.setattr(sanitize_cases.jax_fa3, "build_info", lambda: info)
+    fp8 = sanitize_cases.compiled_cases("fp8")
+    assert fp8 == sanitize_cases.fp8_cases_for(64) + sanitize_cases.fp8_cases_for(128)
+    every = sanitize_cases.compiled_cases("all")
+    assert every == sanitize_cases.cases_for("bfloat16", 128) + fp8
