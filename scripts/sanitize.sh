@@ -16,8 +16,8 @@
 # outputs' every element being written is what the GPU tests check, on poisoned buffers).
 # Knobs (environment): SANITIZE_TOOLS (default "memcheck racecheck initcheck synccheck"),
 # SANITIZE_SET (all | issue24: the five shapes of issue 24 | fp8: the FP8 forward's cases, its
-# kernels' coverage), SANITIZE_COVERAGE=0 (skip the
-# coverage run), SANITIZE_TIMEOUT (seconds per tool, default 480), COMPUTE_SANITIZER (the tool).
+# kernels' coverage), SANITIZE_COVERAGE=0 (skip the coverage run), SANITIZE_TIMEOUT (seconds
+# per tool, default 480), COMPUTE_SANITIZER (the tool).
 # The jax_fa3 under test is whatever python3 imports (PYTHONPATH).
 set -uo pipefail
 OUT=${1:?usage: scripts/sanitize.sh OUT_DIR}

@@ -156,10 +156,10 @@ def compiled_cases(which: str) -> list[Case]:
     both = sorted(set(info["fwd"]) & set(info["bwd"]))
     if which == "issue24":
         return [c for c in ISSUE24 if (c.dtype, c.d) in both]
-    fp8 = sorted(d for dt, d in info["fwd"] if dt == FP8)
+    fp8 = [c for d in sorted(d for dt, d in info["fwd"] if dt == FP8) for c in fp8_cases_for(d)]
     if which == "fp8":  # the FP8 forward alone (a change that touches only its kernels or tiles)
-        return [c for d in fp8 for c in fp8_cases_for(d)]
-    return [c for dt, d in both for c in cases_for(dt, d)] + [c for d in fp8 for c in fp8_cases_for(d)]
+        return fp8
+    return [c for dt, d in both for c in cases_for(dt, d)] + fp8
 
 
 def run_case(c: Case) -> float:
@@ -270,8 +270,7 @@ def coverage(cases: list[Case], fp8_only: bool = False) -> int:
     flat = "\n".join(launched)
     keys = "\n".join(key(n) for n in launched)
     missing = [r for m, r in zip(mangled, readable) if m not in flat and key(r) not in keys]
-    what = "FP8 " if fp8_only else ""
-    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 {what}kernels launched")
+    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 {'FP8 ' * fp8_only}kernels launched")
     for r in missing:
         print(f"  NOT LAUNCHED: {r}")
     if missing:  # how the trace spells kernel names, to see why a name did not match
