@@ -165,7 +165,8 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("many tiles causal", (2, 300, 300, 36, 12, 64, 64), "head", dict(causal=True)),
     ("many tiles causal sq>sk", (2, 400, 260, 36, 12, 128, 128), "head", dict(causal=True)),
     ("many tiles window", (2, 300, 500, 36, 12, 256, 256), "head", dict(window_size=(100, 20))),
-    ("many tiles full", (2, 400, 300, 36, 12, 128, 128), "head", {}),
+    ("many tiles full", (2, 400, 1100, 36, 12, 128, 128), "head", {}),  # past hd128's narrow tile
+    ("full 2100 keys", (1, 333, 2100, 4, 2, 128, 128), "head", dict(softcap=3.0)),
 ]
 
 

@@ -3,7 +3,8 @@
 // keys on the narrow 128-key tile, from 4k on 176 keys; bands a row of which sees at most 512
 // keys on the 2-stage banded tile with Q prefetch (short_banded), longer bands on the 3-stage
 // one; documents on the banded tile's document form. FP8 hd128: long bands (>= 4096 rows and
-// keys) on 192 keys; FP8 takes no documents. A table without a short or long band tile (bf16
+// keys) on 192 keys, unbanded up to 1k keys on the banded kernel (128 rows, not 192); FP8 takes
+// no documents. A table without a short or long band tile (bf16
 // hd64's short side, hd256) runs every band on `banded`. Every table's tiles are instantiated,
 // so their traits' static checks (among them the setmaxnreg split, register_split_fits) hold
 // for each.
@@ -79,6 +80,11 @@ int main() {
   expect("bf16 128 docs causal 512", choose<B, 128>(512, 512, U, 0, true), band_docs);
   expect("bf16 64 causal 512", choose<B, 64>(512, 512, U, 0), {128, 128, 4, true});
   expect("bf16 256 causal 512", choose<B, 256>(512, 512, U, 0), {128, 80, 2, true});
+  expect("fp8 128 nc 512", choose<F8, 128>(512, 512, U, U), {128, 128, 3, true});  // the banded kernel
+  expect("fp8 128 nc 1k", choose<F8, 128>(1024, 1024, U, U), {128, 128, 3, true});
+  expect("fp8 128 nc 1025", choose<F8, 128>(1024, 1025, U, U), {192, 96, 4, false});
+  expect("fp8 128 nc sq 16k sk 1k", choose<F8, 128>(16384, 1024, U, U), {128, 128, 3, true});
+  expect("fp8 128 nc 16k", choose<F8, 128>(16384, 16384, U, U), {192, 96, 4, false});
   expect("fp8 128 causal 512", choose<F8, 128>(512, 512, U, 0), {128, 128, 3, true});
   expect("fp8 128 causal 4096", choose<F8, 128>(4096, 4096, U, 0), {128, 192, 2, true});
   expect("fp8 128 docs", choose<F8, 128>(512, 512, U, 0, true), {0, 0, 0, false, false, true});
