@@ -54,7 +54,8 @@ def test_fwd_key_block_of_every_forward_kernel():
     """fwd_key_block reports the key block of the tile the launcher picks, for every compiled
     forward kernel and the problems that pick different tiles: a key block a WGMMA takes
     (multiples of 16 up to 256; FP8's P V steps K by 32). FP8 hd128 runs unbanded problems on
-    96 keys (three warpgroups), long bands on 192 keys, shorter bands on 128; FP8 hd256 every
+    96 keys (three warpgroups) past 1k keys and on 128 up to it, long bands on 192 keys, shorter
+    bands on 128; FP8 hd256 every
     problem on 96; bf16 hd128 unbanded problems on 128 keys up to 2k and 176 from 4k; a head
     dim no kernel holds gives None."""
     U = _masks.UNBOUNDED
@@ -67,7 +68,8 @@ def test_fwd_key_block_of_every_forward_kernel():
             assert n % (32 if name == "float8_e4m3fn" else 16) == 0, (name, head_dim, n)
     if ("float8_e4m3fn", 128) in _ffi.build_info()["fwd"]:
         block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 128, 128)
-        assert block(4100, 4100, U, U) == block(512, 512, U, U) == 96
+        assert block(4100, 4100, U, U) == block(1025, 1025, U, U) == 96
+        assert block(512, 512, U, U) == block(1024, 1024, U, U) == 128  # the narrow tile (kNarrowMaxKeys)
         assert block(4100, 4100, U, 0) == 192
         assert block(4100, 4100, 4200, 30) == 192  # a window of 4231 keys
         assert block(4100, 4100, 1 << 40, 0) == 192  # bounds past the kernels' range are clamped
