@@ -10,6 +10,9 @@
 //     that the next tile's Q loads a tile ahead. full completes when the buffer holds the tile
 //     (TMA landed, or a plain arrival for a tile without keys or the end marker); empty when
 //     every consumer thread is past its tile's last Q K^T (one arrival per thread).
+//   * FP8 only: the V ring feeds the V transposers (warps 1-2 of warpgroup 0), which fill a ring
+//     of transposed V (PipelineVt) for the consumers. After the CTA's last V block the producer
+//     adds an end marker to the V ring (fwd_v_end_marker), which stops the transposers.
 //   * Named barriers: kFwdBarPingPong + w, one per consumer warpgroup w (WarpgroupPingPong).
 #pragma once
 
