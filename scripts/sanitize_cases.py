@@ -146,6 +146,8 @@ def fp8_cases_for(d: int) -> list[Case]:
     ]
     if d == 128:  # the 192-key banded tile for long bands (FwdTileTable<Fp8, 128>::long_banded)
         c.append(Case("fp8-long-band", FP8, d, 1, 4100, 4100, 1, 1, causal=True))
+        # the banded kernel running unbanded problems up to 1k keys (narrow), more tiles than SMs
+        c.append(Case("fp8-narrow-many-tiles", FP8, d, 2, 400, 700, 36, 12))
     return c
 
 

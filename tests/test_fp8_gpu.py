@@ -166,6 +166,7 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("many tiles causal sq>sk", (2, 400, 260, 36, 12, 128, 128), "head", dict(causal=True)),
     ("many tiles window", (2, 300, 500, 36, 12, 256, 256), "head", dict(window_size=(100, 20))),
     ("many tiles full", (2, 400, 1100, 36, 12, 128, 128), "head", {}),  # past hd128's narrow tile
+    ("many tiles narrow", (2, 400, 700, 36, 12, 128, 128), "head", {}),  # hd128's narrow tile (up to 1k keys)
     ("full 2100 keys", (1, 333, 2100, 4, 2, 128, 128), "head", dict(softcap=3.0)),
 ]
 
