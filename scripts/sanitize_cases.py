@@ -144,7 +144,8 @@ def fp8_cases_for(d: int) -> list[Case]:
         Case("fp8-causal-many-tiles", FP8, d, 2, 300, 300, 36, 12, causal=True),
         Case("fp8-full-many-tiles", FP8, d, 2, 400, 1100, 36, 12),  # past hd128's narrow tile (1k keys)
     ]
-    if d == 128:  # the 192-key banded tile for long bands (FwdTileTable<Fp8, 128>::long_banded)
+    if d == 128:
+        # the 192-key banded tile for long bands (FwdTileTable<Fp8, 128>::long_banded)
         c.append(Case("fp8-long-band", FP8, d, 1, 4100, 4100, 1, 1, causal=True))
         # the banded kernel running unbanded problems up to 1k keys (narrow), more tiles than SMs
         c.append(Case("fp8-narrow-many-tiles", FP8, d, 2, 400, 700, 36, 12))
@@ -272,7 +273,8 @@ def coverage(cases: list[Case], fp8_only: bool = False) -> int:
     flat = "\n".join(launched)
     keys = "\n".join(key(n) for n in launched)
     missing = [r for m, r in zip(mangled, readable) if m not in flat and key(r) not in keys]
-    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 {'FP8 ' * fp8_only}kernels launched")
+    what = "FP8 kernels" if fp8_only else "kernels"
+    print(f"coverage: {len(mangled) - len(missing)} of {len(mangled)} compiled fa3 {what} launched")
     for r in missing:
         print(f"  NOT LAUNCHED: {r}")
     if missing:  # how the trace spells kernel names, to see why a name did not match
