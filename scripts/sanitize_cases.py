@@ -144,9 +144,9 @@ def fp8_cases_for(d: int) -> list[Case]:
         Case("fp8-causal-many-tiles", FP8, d, 2, 300, 300, 36, 12, causal=True),
         Case("fp8-full-many-tiles", FP8, d, 2, 400, 1100, 36, 12),  # past hd128's narrow tile (1k keys)
     ]
-    if d == 128:
-        # the 192-key banded tile for long bands (FwdTileTable<Fp8, 128>::long_banded)
+    if d in (64, 128):  # the tile for long bands (FwdTileTable<Fp8, d>::long_banded)
         c.append(Case("fp8-long-band", FP8, d, 1, 4100, 4100, 1, 1, causal=True))
+    if d == 128:
         # the banded kernel running unbanded problems up to 1k keys (narrow), more tiles than SMs
         c.append(Case("fp8-narrow-many-tiles", FP8, d, 2, 400, 700, 36, 12))
     return c

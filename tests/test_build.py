@@ -74,6 +74,10 @@ def test_fwd_key_block_of_every_forward_kernel():
         assert block(4100, 4100, 4200, 30) == 192  # a window of 4231 keys
         assert block(4100, 4100, 1 << 40, 0) == 192  # bounds past the kernels' range are clamped
         assert block(4000, 4000, U, 0) == block(4100, 4100, 1000, 0) == 128
+    if ("float8_e4m3fn", 64) in _ffi.build_info()["fwd"]:
+        block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 64, 64)
+        assert block(4100, 4100, U, 0) == block(4100, 4100, 4200, 30) == 160  # long bands: 192 x 160
+        assert block(4000, 4000, U, 0) == block(4100, 4100, 1000, 0) == 128
     if ("float8_e4m3fn", 256) in _ffi.build_info()["fwd"]:
         block = functools.partial(_ffi.fwd_key_block, "float8_e4m3fn", 256, 256)
         assert {block(*problem) for problem in problems} == {96}

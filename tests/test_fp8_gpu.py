@@ -156,9 +156,12 @@ OPTIONS = [  # (name, (b, sq, sk, hq, hkv, d, dv), granularity, options)
     ("scale", (1, 64, 200, 2, 2, 128, 128), "head", dict(softmax_scale=0.02)),
     ("fp16 out", (1, 129, 129, 2, 1, 128, 128), "head", dict(out_dtype=F16)),
     ("batch 3 head 96 -> 128", (3, 65, 77, 2, 1, 96, 96), "head", dict(causal=True)),
-    # Bands of at least 4096 rows and keys: hd128's long-band tile (192 keys, band mask).
+    # Bands of at least 4096 rows and keys: hd128's long-band tile (192 keys, band mask), hd64's
+    # (192 x 160, three warpgroups; 8 heads: more tiles than SMs).
     ("long band causal", (1, 4097, 4097, 2, 1, 128, 128), "head", dict(causal=True)),
     ("long band window", (1, 4500, 4300, 2, 1, 128, 128), "head", dict(window_size=(4200, 30))),
+    ("long band causal hd64", (1, 4097, 4097, 8, 2, 64, 64), "head", dict(causal=True)),
+    ("long band window hd64", (1, 4500, 4300, 2, 1, 64, 64), "head", dict(window_size=(4200, 30))),
     # More tiles than an H100/H200 has SMs, so CTAs run several tiles: the banded kernels' dynamic
     # schedule (Q buffers by turns, tiles without keys among them) and, banded or not, the V
     # transposers running across tiles up to the V ring's end marker.

@@ -87,6 +87,8 @@ int main() {
   expect("fp8 128 nc 16k", choose<F8, 128>(16384, 16384, U, U), {192, 96, 4, false});
   expect("fp8 128 causal 512", choose<F8, 128>(512, 512, U, 0), {128, 128, 3, true});
   expect("fp8 128 causal 4096", choose<F8, 128>(4096, 4096, U, 0), {128, 192, 2, true});
+  expect("fp8 64 causal 4096", choose<F8, 64>(4096, 4096, U, 0), {192, 160, 4, true});  // long band
+  expect("fp8 64 causal 4000", choose<F8, 64>(4000, 4000, U, 0), {128, 128, 4, true});
   expect("fp8 128 docs", choose<F8, 128>(512, 512, U, 0, true), {0, 0, 0, false, false, true});
   // Every table's tiles instantiated (their traits' static_asserts, the register split's among
   // them): each kernel head dim runs something for an unbanded, a causal and a document problem;

@@ -114,15 +114,19 @@ struct FwdTileTable<E, 256> : FwdTileTableLarge<E, 256, 80> {
 };
 
 // FP8 (e4m3): 128 query rows on two consumer warpgroups (the V transposers take the producer
-// warpgroup's spare warps), except hd64 / hd128 unbanded: 192 rows on three; kBlockN a multiple of 32
-// (the P V WGMMA's K). Shared memory per stage is K + V + transposed V, each kBlockN x d bytes.
-// Ping-pong as for bf16.
+// warpgroup's spare warps), except hd64 / hd128 unbanded and hd64 long bands: 192 rows on three;
+// kBlockN a multiple of 32 (the P V WGMMA's K). Shared memory per stage is K + V + transposed V,
+// each kBlockN x d bytes. Ping-pong as for bf16.
 //   d = 64 unbanded: 192 x 160 (FA3's FP8 tile), 4 stages: 12 (Q) + 4 x 30 = 132 KB; three
 //   consumer warpgroups on 160 registers (O 32 + S 80 + P 20), the transposers on 32 (the
 //   ldmatrix transposer needs few). At hd64 a block's softmax chain is long next to its GEMMs,
 //   which the third warpgroup hides, as at bf16 (H200, 16k tokens: +25% at 2k, +47% at 16k over
 //   128 x 128; 192 x 128 level at 2k, -3% at 16k).
 //   Banded: 128 x 128, 4 stages: 2 x 8 (two Q buffers) + 4 x 24 = 112 KB; O 32 + S 64 + P 16.
+//   Long bands (at least 4096 rows and keys per row): the unbanded 192 x 160 tile with the band
+//   mask, one CTA per tile (one Q buffer: 132 KB; the producer warpgroup spills 8 B). The third
+//   warpgroup's gain carries over to long bands (H100, ABBA, causal 4k / 8k / 16k over
+//   128 x 128: +7.4 / +18.0 / +25.5%; 192 x 128 +7.0 / +16.1 / +22.5%).
 //   d = 128 long bands: 128 x 192, 2 stages: 2 x 16 + 2 x 72 = 176 KB; O 64 + S 96 + P 24,
 //   spill-free at 224. Wider blocks share each row's max, rescale and hand-offs over more keys,
 //   which FP8's twice-as-fast GEMMs expose (measured when it was the unbanded tile too, H200, 16k
@@ -141,6 +145,8 @@ struct FwdTileTable<Fp8, 64> {
   using banded = FwdTraits<Fp8, 64, 128, 128, 4, true, true>;
   using narrow = FwdTraits<Fp8, 64, 192, 128, 4, true, false>;
   static constexpr int64_t kPadBlockKeys = 24;
+  using long_banded = FwdTraits<Fp8, 64, 192, 160, 4, true, true>;
+  static constexpr int kLongBand = 4096;
 };
 // d = 128 long bands (at least 4096 query rows and keys per row) run on the 192-key block with
 // the band mask: the 128-key blocks' per-row overheads (H200, causal 16k: 780 -> 885 TFLOP/s).

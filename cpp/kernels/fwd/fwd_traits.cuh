@@ -67,10 +67,11 @@ struct FwdTraits {
   // kBlockN/2 + P kBlockN/8), banded or not. The V transposers follow the V ring up to its end
   // marker, not the tiles, so they run under either schedule. They also run on 32, one tile's
   // loads at a time, where the registers are needed elsewhere: the three-consumer tiles (hd64
-  // and hd128 unbanded).
+  // and hd128 unbanded, hd64 long bands).
   static constexpr bool kDynamicSchedule = kBanded && kNumMmaWG == 2;
-  // FP8 with three consumer warpgroups (hd64 and hd128 unbanded): 32 / 160, as bf16. (hd128 on
-  // 56 / 152, its transposers spill-free and two tiles at a time, measured -5..-7%.)
+  // FP8 with three consumer warpgroups (hd64 and hd128 unbanded, hd64 long bands): 32 / 160, as
+  // bf16. (hd128 on 56 / 152, its transposers spill-free and two tiles at a time, measured
+  // -5..-7%.)
   static constexpr int kProducerRegs = kNumMmaWG == 3 ? 32 : kFp8 ? 56 : (kDynamicSchedule ? 40 : 24);
   static constexpr int kConsumerRegs = kNumMmaWG == 3 ? 160 : kFp8 ? 224 : (kDynamicSchedule ? 232 : 240);
   static_assert(register_split_fits(kProducerRegs, kNumMmaThreads, kConsumerRegs), "register pool overcommitted");
