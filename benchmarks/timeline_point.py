@@ -50,13 +50,22 @@ def gpu_events(xspace_path: str) -> list[Event]:
 
 
 def short_name(name: str) -> str:
-    """A kernel's name without return type, template arguments, parameters or namespaces;
-    other ops' names (XLA's fusions, "Memset (Device)") as they are."""
+    """A kernel's name without return type, template arguments, parameters or namespaces (of a
+    CUTLASS `device_kernel<...>` wrapper, the kernel it wraps: FA3's are all such); other ops'
+    names (XLA's fusions, "Memset (Device)") as they are."""
     if not (name.startswith("void ") or "::" in name or "<" in name):
         return name
     name = re.sub(r"^void ", "", name)
-    name = re.split(r"[<(]", name, maxsplit=1)[0]
-    return name.rsplit("::", 1)[-1] or name
+    while True:
+        base, _, args = name.partition("<")
+        base = re.split(r"\(", base, maxsplit=1)[0].rsplit("::", 1)[-1]
+        if base in WRAPPERS and args:
+            name = args
+        else:
+            return base or name
+
+
+WRAPPERS = ("device_kernel", "enable_sm90_or_later", "enable_sm80_to_sm89")
 
 
 def split_calls(events: list[Event], anchor: str | None = None) -> dict:

@@ -62,7 +62,10 @@ def test_too_few_calls_and_no_events():
 
 def test_short_name():
     assert timeline.short_name("void fa3::bwd::bwd_main_kernel<T, 0>(P)") == "bwd_main_kernel"
-    assert timeline.short_name("void cutlass::device_kernel<flash::FlashAttnFwdSm90<x>>(Params)") == "device_kernel"
+    assert timeline.short_name("void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<"
+                               "flash::CollectiveMainloopFwdSm90<2, x>>>>(Params)") == "FlashAttnFwdSm90"
+    assert timeline.short_name("void cutlass::device_kernel<flash::FlashAttnBwdPreprocess<cute::tuple<"
+                               "cute::C<64>>, float>>(Params)") == "FlashAttnBwdPreprocess"
     assert timeline.short_name("loop_multiply_fusion_3") == "loop_multiply_fusion_3"
 
 
