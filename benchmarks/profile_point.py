@@ -23,26 +23,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import attention_fn, grid_shape, make_loop  # noqa: E402
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_point_arguments(p: argparse.ArgumentParser, seqlen: int = 8192) -> None:
+    """The grid point's arguments (shared with timeline_point.py)."""
     p.add_argument("--impl", default="jax_fa3",
                    help="jax_fa3, jax_fa3_det, cudnn, xla or fa3 (float8_e4m3fn: jax_fa3 or cudnn)")
     p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--seqlen", type=int, default=seqlen)
     p.add_argument("--causal", type=int, default=0, choices=(0, 1))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"),
                    help="float8_e4m3fn: the FP8 forward as bench_fp8.py calls it (jax_fa3: inputs "
                         "quantized per head; cudnn: per tensor, e4m3 out)")
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--calls", type=int, default=3)
-    args = p.parse_args(argv)
+
+
+def point_loop(p: argparse.ArgumentParser, args) -> tuple:
+    """(run, shape): the benchmark's loop of the point (bench_attention.make_loop) on random
+    inputs of its shape; p.error on arguments that do not make a point."""
     if args.hidden % args.head_dim:
         p.error(f"--hidden {args.hidden} is not a multiple of --head-dim {args.head_dim}")
-
     shape = grid_shape(args.head_dim, args.seqlen, args.tokens, args.hidden)
-    batch, _, heads, _ = shape
     keys = jax.random.split(jax.random.key(0), 3)
     if args.dtype == "float8_e4m3fn":
         fp8_impl = {"jax_fa3": "jax_fa3_fp8", "cudnn": "cudnn_fp8"}.get(args.impl)
@@ -58,6 +59,16 @@ def main(argv=None) -> int:
         q, k, v = (jax.random.normal(key, shape, jnp.dtype(args.dtype)) for key in keys)
         fn = attention_fn(args.impl, bool(args.causal), args.direction)
     run, _ = make_loop(fn, args.direction, q, k, v)
+    return run, shape
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_point_arguments(p)
+    p.add_argument("--calls", type=int, default=3)
+    args = p.parse_args(argv)
+    run, shape = point_loop(p, args)
+    batch, _, heads, _ = shape
     jax.block_until_ready(run(1))  # compile and warm up
     times = []
     for _ in range(args.calls):

@@ -2,10 +2,10 @@
 
     python3 -P benchmarks/timeline_point.py --impl jax_fa3 --direction fwd --head-dim 128 --seqlen 512 --causal 1
 
-Runs the benchmark's timed loop (bench_attention.make_loop: --calls dependent calls in one jitted
-fori_loop) under jax.profiler, reads the GPU streams' events back (jax.profiler.ProfileData:
-kernels, memsets, copies) and splits the time between consecutive calls into every op's share
-and the time in which no op runs. Nsight Compute (scripts/ncu_point.sh) times each kernel alone;
+Runs the benchmark's timed loop of a grid point (profile_point.py's arguments and inputs;
+--calls dependent calls in one jitted fori_loop) under jax.profiler, reads the GPU streams'
+events back (jax.profiler.ProfileData: kernels, memsets, copies) and splits the time between
+consecutive calls into every op's share and the time in which no op runs. Nsight Compute (scripts/ncu_point.sh) times each kernel alone;
 this shows what the benchmark's figure holds around the kernels (session 41, H100: the hd128
 causal 512 forward kernel alone 5% faster than FA3's, the two level in the benchmark).
 
@@ -32,7 +32,6 @@ class Event(NamedTuple):
     start_ns: float
     duration_ns: float
     name: str
-    stream: str
 
 
 def gpu_events(xspace_path: str) -> list[Event]:
@@ -45,8 +44,11 @@ def gpu_events(xspace_path: str) -> list[Event]:
             continue
         for line in plane.lines:
             if line.name.startswith("Stream"):  # not the per-op or per-module summary lines
-                events += [Event(e.start_ns, e.duration_ns, e.name, line.name) for e in line.events]
+                events += [Event(e.start_ns, e.duration_ns, e.name) for e in line.events]
     return sorted(events)
+
+
+WRAPPERS = ("device_kernel", "enable_sm90_or_later", "enable_sm80_to_sm89")
 
 
 def short_name(name: str) -> str:
@@ -65,9 +67,6 @@ def short_name(name: str) -> str:
             return base or name
 
 
-WRAPPERS = ("device_kernel", "enable_sm90_or_later", "enable_sm80_to_sm89")
-
-
 def split_calls(events: list[Event], anchor: str | None = None) -> dict:
     """Medians per call over the calls between the first and the last anchor launch: the period,
     the anchor kernel, every op by short name (summed within a call) and the idle time (no op
@@ -78,7 +77,8 @@ def split_calls(events: list[Event], anchor: str | None = None) -> dict:
             total[short_name(e.name)] += e.duration_ns
         if not total:
             raise ValueError("no GPU events")
-        anchor_of = lambda e: short_name(e.name) == total.most_common(1)[0][0]  # noqa: E731
+        busiest = total.most_common(1)[0][0]
+        anchor_of = lambda e: short_name(e.name) == busiest  # noqa: E731
     else:
         pattern = re.compile(anchor)
         anchor_of = lambda e: bool(pattern.search(e.name))  # noqa: E731
@@ -117,25 +117,15 @@ def render(split: dict, title: str) -> str:
 
 
 def main(argv=None) -> int:
+    import jax
+    from profile_point import add_point_arguments, point_loop
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--impl", default="jax_fa3", help="as bench_attention.py's --impls (one)")
-    p.add_argument("--direction", default="fwd", choices=("fwd", "bwd"))
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=512)
-    p.add_argument("--causal", type=int, default=0, choices=(0, 1))
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=2048)
+    add_point_arguments(p, seqlen=512)
     p.add_argument("--calls", type=int, default=40)
     p.add_argument("--anchor", default=None, help="regex of the kernel that starts a call")
     args = p.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-    from bench_attention import attention_fn, grid_shape, make_loop
-
-    shape = grid_shape(args.head_dim, args.seqlen, args.tokens, args.hidden)
-    q, k, v = (jax.random.normal(key, shape, jnp.bfloat16) for key in jax.random.split(jax.random.key(0), 3))
-    run, _ = make_loop(attention_fn(args.impl, bool(args.causal), args.direction), args.direction, q, k, v)
+    run, _ = point_loop(p, args)
     jax.block_until_ready(run(args.calls))  # compile and warm up
     trace_dir = tempfile.mkdtemp(prefix="timeline_")
     with jax.profiler.trace(trace_dir):
@@ -144,7 +134,7 @@ def main(argv=None) -> int:
     if not events:
         print(f"no GPU events in the profile ({jax.devices()[0].platform}): this needs a GPU")
         return 2
-    title = (f"{args.impl} {args.direction} hd{args.head_dim} s{args.seqlen} "
+    title = (f"{args.impl} {args.direction} {args.dtype} hd{args.head_dim} s{args.seqlen} "
              f"causal={bool(args.causal)}")
     print(render(split_calls(events, args.anchor), title))
     return 0

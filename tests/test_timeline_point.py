@@ -16,13 +16,13 @@ Event = timeline.Event
 
 def loop_events(calls: int, with_memset: bool) -> list[Event]:
     """A loop of `calls` calls, 120 us apart (us): [memset 2 at +0], kernel 100 at +5, a fusion
-    3 at +107 on a second stream, overlapping nothing; idle 2 + 10 (+ 3 before the memset)."""
+    3 at +107, overlapping nothing; idle 2 + 10 (+ 3 before the memset)."""
     out, t = [], 0.0
     for _ in range(calls):
         if with_memset:
-            out.append(Event(t * 1e3, 2e3, "Memset (Device)", "Stream #1"))
-        out.append(Event((t + 5) * 1e3, 100e3, "void fa3::fwd_kernel<fa3::FwdTraits<x, 128>>(T1::Params)", "Stream #1"))
-        out.append(Event((t + 107) * 1e3, 3e3, "loop_add_fusion", "Stream #2"))
+            out.append(Event(t * 1e3, 2e3, "Memset (Device)"))
+        out.append(Event((t + 5) * 1e3, 100e3, "void fa3::fwd_kernel<fa3::FwdTraits<x, 128>>(T1::Params)"))
+        out.append(Event((t + 107) * 1e3, 3e3, "loop_add_fusion"))
         t += 120
     return sorted(out)
 
@@ -48,7 +48,7 @@ def test_split_without_memset_and_named_anchor():
 
 def test_op_missing_from_some_calls_counts_zero():
     events = loop_events(8, with_memset=False)
-    extra = Event(events[7].start_ns + 101e3, 1e3, "memcpy", "Stream #3")  # one call only
+    extra = Event(events[7].start_ns + 101e3, 1e3, "memcpy")  # one call only
     split = timeline.split_calls(sorted(events + [extra]))
     assert split["ops_us"]["memcpy"] == 0.0  # median over the calls, most without it
 
