@@ -12,6 +12,7 @@
 #include "bwd/bwd_main.cuh"
 #include "bwd/bwd_prepost.cuh"
 #include "bwd/bwd_split_d.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/softmax.cuh"
 #include "fa3/launch.h"
 #include "fa3/params.h"
@@ -145,8 +146,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
   // One linear index per CTA, decoded in the longest-first section order (bwd_order.cuh); the
   // tail units' CTAs follow the whole units (split.num_ctas()).
   const dim3 grid(split.num_ctas());
-  kernel<<<grid, Tr::kNumThreads, Tr::kSmemBytes, stream>>>(mp);
-  return cudaGetLastError();
+  return launch_dependent(kernel, grid, dim3(Tr::kNumThreads), Tr::kSmemBytes, stream, mp);
 }
 
 // A traits class passed as a value (with_bwd_traits' callback arguments).
@@ -211,18 +211,18 @@ cudaError_t run_bwd_with(const BwdParams& p, cudaStream_t stream) {
   float* dkv_part = reinterpret_cast<float*>(ws + w.dkv_off);
 
   dim3 grid_q(pp.m_blocks, s.heads_q, s.batch);
-  bwd_preprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
-  if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (auto err = launch_dependent(bwd_preprocess_kernel<Tr>, grid_q, dim3(256), 0, stream, pp); err != cudaSuccess)
+    return err;
   cudaError_t err = p.opts.softcap > 0.f ? launch_main<TrCap>(p, pp, split, dkv_part, stream)
                                          : launch_main<Tr>(p, pp, split, dkv_part, stream);
   if (err != cudaSuccess) return err;
-  bwd_postprocess_kernel<Tr><<<grid_q, 256, 0, stream>>>(pp);
-  if (auto err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (auto err = launch_dependent(bwd_postprocess_kernel<Tr>, grid_q, dim3(256), 0, stream, pp); err != cudaSuccess)
+    return err;
   if constexpr (!IsSplitD<Tr>::value && kTailSplitOk<Tr>) {
     if (split.tail > 0) {
       static_assert(Tr::kBlockM == TrCap::kBlockM && Tr::kBlockN == TrCap::kBlockN && Tr::kPasses == TrCap::kPasses);
       const DKVTailParams tp{dkv_part, p.dk, p.dv, tile_order<Tr>(p), split, s.seqlen_k, s.head_dim, s.head_dim_v};
-      bwd_dkv_tail_kernel<Tr><<<dim3(split.tail, 2 * kDKVTailVec<Tr>), 256, 0, stream>>>(tp);
+      return launch_dependent(bwd_dkv_tail_kernel<Tr>, dim3(split.tail, 2 * kDKVTailVec<Tr>), dim3(256), 0, stream, tp);
     }
   }
   return cudaGetLastError();

@@ -23,6 +23,7 @@
 #include "bwd/bwd_pipeline.cuh"
 #include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_traits.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/mask.cuh"
 #include "common/pingpong.cuh"
 #include "common/softmax.cuh"
@@ -460,6 +461,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     }
   }
   __syncthreads();
+  wait_for_previous_grid();
+  allow_next_grid();  // the postprocess's launch under this grid's last CTAs
   if (threadIdx.x / 128 == 0) producer_warpgroup<Tr, kDocs>(p, smem_raw);
   else consumer<Tr, kDocs>(p, smem_raw);
 }

@@ -17,6 +17,7 @@
 
 #include "bwd/bwd_order.cuh"
 #include "bwd/bwd_traits.cuh"
+#include "common/dependent_launch.cuh"
 
 namespace fa3 {
 namespace bwd {
@@ -66,6 +67,8 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const PrePostParams
   static_assert(kHeadDim % 8 == 0 && kPieces <= kThreadsPerRow);
   constexpr int kRowsPerPass = 256 / kThreadsPerRow;
   constexpr int kPasses = (kBlockM + kRowsPerPass - 1) / kRowsPerPass;
+  wait_for_previous_grid();
+  allow_next_grid();  // the main kernel's prologue under this grid's last CTAs
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int part = threadIdx.x % kThreadsPerRow, col0 = part * 8;  // out's head dim: whole vectors
   auto block_row = [&](int pass) -> int { return pass * kRowsPerPass + threadIdx.x / kThreadsPerRow; };
@@ -129,6 +132,8 @@ __global__ void __launch_bounds__(256) bwd_postprocess_kernel(const PrePostParam
   // warp's fragment stores (8 rows x 4 column pairs) hit 32 distinct banks.
   constexpr int kPitch = kChunk + 8;
   __shared__ alignas(16) Element tile[kBlockM * kPitch];
+  wait_for_previous_grid();
+  allow_next_grid();
   const int m = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int ct = threadIdx.x, wg = ct / 128, t = ct % 128;
   typename Tr::MmadQ mma_dq;
@@ -199,6 +204,7 @@ __global__ void __launch_bounds__(256) bwd_dkv_tail_kernel(const DKVTailParams p
   using Element = typename Tr::Element;
   constexpr int kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kVec = kDKVTailVec<Tr>;
   static_assert(Tr::kPasses == 1 && Tr::kNumMmaThreads == 256 && kVec * 4 * 256 == kBlockN * kHeadDim);
+  wait_for_previous_grid();
   const int ct = threadIdx.x, t = int(blockIdx.y) / kVec, j = int(blockIdx.y) % kVec;
   int n_block, hk, b;
   p.order.decode(p.split.full + int(blockIdx.x), n_block, hk, b);

@@ -21,6 +21,7 @@
 #include "bwd/bwd_pipeline.cuh"
 #include "bwd/bwd_producer.cuh"
 #include "bwd/bwd_split_d_traits.cuh"
+#include "common/dependent_launch.cuh"
 #include "common/mask.cuh"
 #include "common/softmax.cuh"
 #include "common/utils.cuh"
@@ -238,6 +239,8 @@ __global__ void __launch_bounds__(Tr::kNumThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
+  wait_for_previous_grid();
+  allow_next_grid();
 
   if (threadIdx.x / 128 == 0) {
     // Producer warpgroup: one thread issues every load (the 1D grid in bwd_order.cuh's
