@@ -12,6 +12,9 @@
 //   * allow_next_grid() lets the next dependent launch start before this grid ends (else it
 //     starts as this grid's CTAs exit). It does not make this grid's writes visible early: the
 //     next kernel's wait still waits for this grid to complete.
+//
+// Not CUTLASS's wait_on_dependent_grids / launch_dependent_grids: they compile to nothing unless
+// CUTLASS_ENABLE_GDC_FOR_SM90 is defined, and a dependent launch whose wait vanished would race.
 #pragma once
 
 #include <cuda_runtime.h>
