@@ -8,8 +8,11 @@ one ulp of slack. Oracle (tests/helpers.py): its float64 numpy form for small sh
 sequences (where numpy is too slow) its JAX form, float32 on the GPU with Precision.HIGHEST,
 whose error is negligible next to bf16/fp16 rounding.
 
-XLA allocates the outputs; before each kernel call a NaN-filled buffer of the outputs' size is
-allocated and freed so that unwritten elements would likely surface as NaN.
+XLA allocates the outputs and the kernel's workspace; before each kernel call NaN-filled buffers
+of the outputs' size and of the workspace's size are allocated and freed so that unwritten
+elements would likely surface as NaN. The workspace matters: the fp32 dQ accumulator of the head
+dims with the dQ writer is never cleared (its first key block stores), so a query block that the
+postprocess read without any store would give NaN dQ.
 """
 
 from __future__ import annotations
@@ -40,8 +43,15 @@ def _first_compiled(dtype=jnp.bfloat16):
     pytest.skip(f"no backward kernel compiled for {jnp.dtype(dtype).name}")
 
 
+def _workspace_like(q):
+    """float32 (batch, heads, seqlen_q + 128, head_dim + 2): about the backward's workspace (LSE,
+    D and the dQ accumulator per query row, padded to any tile's rows)."""
+    b, sq, h, d = q.shape
+    return jax.ShapeDtypeStruct((b, h, sq + 128, d + 2), jnp.float32)
+
+
 def _kernel_bwd(q, k, v, out, lse, dout, left, right, softcap, scale, deterministic=False):
-    helpers.poison_heap(q, k, v)
+    helpers.poison_heap(q, k, v, _workspace_like(q))
     grads = _ops.bwd(q, k, v, out, lse, dout, softmax_scale=scale, softcap=softcap,
                      window_left=left, window_right=right, deterministic=deterministic)
     return jax.device_get(grads)

@@ -2,9 +2,12 @@
 // added in fp32 into the accumulator (b, hq, m_blocks, chunk, warpgroup, fragment), in the
 // fragment order of the dQ WGMMA (bwd_postprocess converts it), either
 //   - by the dQ writer (kDQSmem: the main kernel at d <= 128): each consumer warpgroup hands its
-//     fragment over through a shared-memory tile (dq_to_smem, dq_hand_to_writer), and one warp of the producer
-//     warpgroup adds both tiles with bulk reduce-adds (dq_writer), or
-//   - by the consumers themselves (hd192, split-D hd256): float4 reductions (dq_add_fragment).
+//     fragment over through a shared-memory tile (dq_to_smem, dq_hand_to_writer), and one warp of
+//     the producer warpgroup puts both tiles into the accumulator with bulk copies (dq_writer): the
+//     first key block to reach a query block stores, the others reduce-add, so this accumulator is
+//     never cleared; or
+//   - by the consumers themselves (hd192, split-D hd256): float4 reductions (dq_add_fragment) into
+//     the accumulator that the preprocess cleared.
 // Deterministic mode: the key blocks of a query block add one after the other, in ascending
 // order, on a turn counter per query block (dq_sem); the writer, or the consumers around their
 // adds (wait_dq_turn, publish_dq_turn), take the turns.
@@ -100,34 +103,55 @@ CUTE_DEVICE void dq_step_out(MainParams<Tr> const& p, typename Tr::SharedStorage
   }
 }
 
-// One step of the dQ writer: in deterministic mode wait for the block's turn, add the consumers'
-// two shared-memory tiles into the fp32 accumulator acc, free the tiles for the next step (more:
-// there is one), and in deterministic mode publish the turn once the adds are performed. Turn
-// order: the key blocks of a query block one after the other, from the first (the band's
-// key_block_range's n_begin; the CTA's m range guarantees the band is not empty): its semaphore
-// sem holds n_block - (first key block) when this key block's adds are next. The query block is
-// m, the CTA's first m_begin; first_key0 the first key m_begin sees (BandMask::first_key).
+// A query block's counter (dq_sem) outside deterministic mode, in the dQ writer's tiles: each key
+// block that reaches the block takes a ticket (adds 1); ticket 0 bulk-stores its tile, so the
+// accumulator needs no clear, and adds kDQStored once the store has landed; the others wait for
+// that flag before their reduce-adds. 0 at the end: no key block reached the block (its dQ is 0,
+// written by the postprocess).
+constexpr int kDQStored = 1 << 30;
+
+// One step of the dQ writer: put the consumers' two shared-memory tiles into the fp32 accumulator
+// acc (the block's first key block stores them, the others add them), free the tiles for the next
+// step (more: there is one), and publish what the counter sem says to the later key blocks.
+// Deterministic mode: the key blocks of a query block go one after the other, in ascending order,
+// from the first (the band's key_block_range's n_begin; the CTA's m range guarantees the band is
+// not empty): sem holds n_block - (first key block) when this key block is next, and the first
+// stores. The query block is m, the CTA's first m_begin; first_key0 the first key m_begin sees
+// (BandMask::first_key).
 template <class Tr>
 CUTE_DEVICE void dq_writer_step(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, float* acc, int* sem,
                                 long long first_key0, int m, int m_begin, int n_block, bool lane0, bool more) {
+  bool first = false;  // lane 0's: this key block stores
   if (p.deterministic) {
     const long long first_key = first_key0 + (long long)(m - m_begin) * Tr::kBlockM;
     const int my_turn = n_block - (first_key > 0 ? int(first_key / Tr::kBlockN) : 0);
     if (lane0) {
       while (ld_acquire(sem) != my_turn) __nanosleep(32);
+      first = my_turn == 0;
       fence_proxy_async_global();  // the acquired bulk writes before our bulk op
     }
     __syncwarp();
   }
+  // The ticket is taken before the wait for the first tile, so that its round trip overlaps the wait.
+  int ticket = 0;
+  if (!p.deterministic && lane0) ticket = atom_relaxed_add(sem, 1);
   cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0);
-  if (lane0) {
-    bulk_reduce_add_f32(acc, ss.dq.data(), Tr::kDQWgBytes);
-    bulk_commit();
+  if (!p.deterministic && lane0) {
+    first = ticket == 0;
+    if (!first) {
+      while (!(ld_acquire(sem) & kDQStored)) __nanosleep(32);
+      fence_proxy_async_global();  // the acquired bulk store before our bulk adds
+    }
   }
+  auto put = [&](float* dst, const float* tile) {
+    if (first) bulk_store_f32(dst, tile, Tr::kDQWgBytes);
+    else bulk_reduce_add_f32(dst, tile, Tr::kDQWgBytes);
+    bulk_commit();
+  };
+  if (lane0) put(acc, ss.dq.data());
   cutlass::arch::NamedBarrier::sync(kDQBarThreads, kBarDQFull0 + 1);
   if (lane0) {
-    bulk_reduce_add_f32(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats, Tr::kDQWgBytes);
-    bulk_commit();
+    put(acc + Tr::kDQWgFloats, ss.dq.data() + Tr::kDQWgFloats);
     bulk_wait_read_all();
   }
   __syncwarp();
@@ -135,51 +159,45 @@ CUTE_DEVICE void dq_writer_step(MainParams<Tr> const& p, typename Tr::SharedStor
     cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
     cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
   }
-  if (p.deterministic && lane0) {
-    bulk_wait_all();             // our adds are performed ...
+  // The tiles are free; the consumers go on while this waits.
+  if (lane0 && (p.deterministic || first)) {
+    bulk_wait_all();             // our writes are performed ...
     fence_proxy_async_global();  // ... ordered before generic accesses ...
-    red_release_add(sem, 1);     // ... and published with the turn
+    red_release_add(sem, p.deterministic ? 1 : kDQStored);  // ... and published
   }
 }
 
 // The dQ writer warp (warp 1 of the producer warpgroup, kDQSmem) over the CTA's steps, in the
-// consumers' order (query heads of the group, query blocks innermost). Runs on the producer
-// warpgroup's 24 registers: pointers advance incrementally and the turn (first key block of the
-// query block) is computed inline.
+// consumers' order (query heads of the group, query blocks innermost from m_first,
+// first_query_block). Runs on the producer warpgroup's 24 registers: few loop values, and the
+// turn (first key block of the query block) computed inline.
 template <class Tr>
 CUTE_DEVICE void dq_writer(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk, int b,
-                           int group, int m_begin, int m_end) {
+                           int group, int m_begin, int m_end, int m_first) {
   constexpr int kBlockM = Tr::kBlockM, kHeadDim = Tr::kHeadDim;
   const bool lane0 = threadIdx.x == 32;
-  const int steps = group * (m_end - m_begin);
   // Both smem tiles start empty. The writer arrives on DQEmpty exactly once per consumer
   // sync (here for the first step, then after each step but the last), so the barrier
   // phases alternate strictly: the writer's next arrive follows its DQFull sync, which
   // follows the consumers' DQEmpty sync of the step before.
   cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0);
   cutlass::arch::NamedBarrier::arrive(kDQBarThreads, kBarDQEmpty0 + 1);
-  const int64_t head_rows = int64_t(hk * group + b * p.heads_q) * p.m_blocks + m_begin;
-  float* acc = p.dq_accum + head_rows * int64_t(kBlockM * kHeadDim);
-  int* sem = p.dq_sem + head_rows;
   const long long first_key0 = p.band().first_key((long long)m_begin * kBlockM);
-  int m = m_begin;
   #pragma unroll 1
-  for (int step = 0; step < steps; ++step) {
-    dq_writer_step(p, ss, acc, sem, first_key0, m, m_begin, n_block, lane0, step + 1 < steps);
-    // Next (head, query block): query blocks innermost, as the consumers walk them.
-    acc += kBlockM * kHeadDim;
-    ++sem;
-    if (++m == m_end) {
-      m = m_begin;
-      const int skip = p.m_blocks - (m_end - m_begin);
-      acc += int64_t(skip) * (kBlockM * kHeadDim);
-      sem += skip;
-    }
+  for (int hi = 0; hi < group; ++hi) {
+    const int64_t head_rows = int64_t(hk * group + hi + b * p.heads_q) * p.m_blocks;
+    int m = m_first;
+    #pragma unroll 1
+    do {
+      const int next = m + 1 == m_end ? m_begin : m + 1;
+      dq_writer_step(p, ss, p.dq_accum + (head_rows + m) * (kBlockM * kHeadDim), p.dq_sem + head_rows + m,
+                     first_key0, m, m_begin, n_block, lane0, hi + 1 < group || next != m_first);
+      m = next;
+    } while (m != m_first);
   }
-  // The CTA may not exit while a bulk reduce still reads its shared memory; every step already
-  // waited for that (wait_group.read 0 above). Deterministic mode also waited for each step's
-  // adds to be performed (before publishing the turn). Wait here until the last adds are
-  // performed too (leaving without it, as FA3's writer does, was level).
+  // The CTA may not exit while a bulk operation still reads its shared memory; every step already
+  // waited for that (wait_group.read 0 above), and for the writes it published. Wait here until
+  // the last adds are performed too (leaving without it, as FA3's writer does, was level).
   if (lane0) bulk_wait_all();
 }
 

@@ -127,6 +127,7 @@ cudaError_t launch_main(const BwdParams& p, const PrePostParams& pp, BwdTailSpli
       sc.pre_tanh,
       p.opts.softmax_scale,
       p.deterministic ? 1 : 0,
+      !p.deterministic && !work_varies(s, p.opts, p.docs) ? 1 : 0,  // rotate_walk
       tile_order<Tr>(p),
       split,
       dkv_part,

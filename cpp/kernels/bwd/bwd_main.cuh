@@ -171,6 +171,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
   const int group = p.heads_q / p.heads_kv;
   const bool has_work = m_end > m_begin;
+  // The walk's start, as the offset of the first query block from m_begin (first_query_block).
+  const int rot = has_work ? first_query_block<Tr, kDocs>(p, n_block, m_begin, m_end) - m_begin : 0;
   int ct, wg, t_in_wg;
   consumer_thread<Tr::kUniformWg>(ct, wg, t_in_wg);
 
@@ -271,7 +273,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
     const int it_pass = it;  // kOverlapDK: steps after the pass's first have a dK in flight
     for (int hi = 0; hi < group; ++hi) {
       const int h = hk * group + hi;
-      for (int m = m_begin; m < m_end; ++m) {
+      for (int i = m_begin; i < m_end; ++i) {
+        const int m = i + rot < m_end ? i + rot : i + rot - (m_end - m_begin);  // wrapping at m_end
         const int m0 = m * kBlockM;
         // Per sub-step: does the band or the key bound cut through its (query, key) tile?
         bool need_mask[Tr::kSubM];
@@ -433,13 +436,14 @@ CUTE_DEVICE void producer_warpgroup(MainParams<Tr> const& p, char* smem_raw) {
     int n_block, hk, b, slot;
     cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
     const int group = p.heads_q / p.heads_kv;
-    if (threadIdx.x == 0 && m_end > m_begin) load_kv_and_steps(p, ss, n_block, hk, b, group, m_begin, m_end);
+    if (threadIdx.x == 0 && m_end > m_begin)
+      load_kv_and_steps(p, ss, n_block, hk, b, group, m_begin, m_end, first_query_block<Tr, kDocs>(p, n_block, m_begin, m_end));
   } else if (Tr::kDQSmem && warp == 1) {
     Storage& ss = aligned_storage<Storage, false>(smem_raw);
     int n_block, hk, b, slot;
     cta_work<Tr, kDocs>(p, n_block, hk, b, m_begin, m_end, slot);
     const int group = p.heads_q / p.heads_kv;
-    if (m_end > m_begin) dq_writer(p, ss, n_block, hk, b, group, m_begin, m_end);
+    if (m_end > m_begin) dq_writer(p, ss, n_block, hk, b, group, m_begin, m_end, first_query_block<Tr, kDocs>(p, n_block, m_begin, m_end));
   }
 }
 

@@ -29,6 +29,10 @@ struct MainParams {
   float pre_tanh;          // softmax_scale / softcap
   float softmax_scale;
   int deterministic;
+  // The dQ writer's tiles walk each head's query blocks from a block that depends on the key
+  // block (first_query_block): set by the host for problems whose work does not vary over the
+  // blocks (no band, no documents) outside deterministic mode.
+  int rotate_walk;
   BwdTileOrder order;  // the 1D grid's CTA order (bwd_order.cuh)
   BwdTailSplit split;  // the tail units' CTAs (bwd_order.cuh)
   float* dkv_part;     // (split slots, 2, kBlockN * head_dim): the tail CTAs' fp32 dK, dV
@@ -50,6 +54,23 @@ CUTE_DEVICE void query_blocks(MainParams<Tr> const& p, BandMask const& band, int
   band.query_block_range(n_block, Tr::kBlockN, Tr::kBlockM, m_begin, m_end);
   const int n0 = n_block * Tr::kBlockN;
   if constexpr (kDocs) p.docs.narrow_query_blocks(b, n0, min(n0 + Tr::kBlockN, p.seqlen_k) - 1, Tr::kBlockM, m_begin, m_end);
+}
+
+// The query block that the CTA's walk over [m_begin, m_end) (not empty) starts at; the walk goes up
+// to m_end - 1, wraps to m_begin and ends before the start. Without a band every key block of a
+// head sees the same query blocks, and walked in lockstep from m_begin they would all reach each
+// query block at the same step: one key block's first store (bwd_dq.cuh) would hold up the others,
+// and their reduce-adds would pile onto one tile. Key block n starts n blocks in instead, so that
+// at each step the key blocks of a head are on different query blocks (while there are no more key
+// blocks than query blocks) and each query block's first store lands a step before the next
+// visitor. Banded problems are staggered by the band already; deterministic mode keeps the
+// ascending walk, the order of its turns; so do documents (kDocs: the kernel's copy for them).
+template <class Tr, bool kDocs>
+CUTE_DEVICE int first_query_block(MainParams<Tr> const& p, int n_block, int m_begin, int m_end) {
+  if constexpr (Tr::kDQSmem && !kDocs) {
+    if (p.rotate_walk) return m_begin + n_block % (m_end - m_begin);
+  }
+  return m_begin;
 }
 
 // This CTA's work in the main kernel: the unit (key block, kv head, batch), decoded from the 1D

@@ -112,17 +112,30 @@ CUTE_DEVICE int ld_acquire(const int* p) {
 CUTE_DEVICE void red_release_add(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// The dQ writer's ticket (bwd_dq.cuh): the counter's value before this add (no ordering: what a
+// ticket lets us read is acquired with the flag, ld_acquire).
+CUTE_DEVICE int atom_relaxed_add(int* p, int v) {
+  int old;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
 
-// dQ writer: bulk reduce-add of a shared-memory fp32 tile into global memory (async proxy,
-// bulk-group completion), and the proxy fence that orders it with generic accesses.
+// dQ writer: bulk store or bulk reduce-add of a shared-memory fp32 tile into global memory
+// (async proxy, bulk-group completion), and the proxy fence that orders it with generic accesses.
 // The dQ accumulator lines are hit again by the other key blocks of the same query block (other
 // CTAs, soon after): keep them in L2 (evict_last), as FA3 does.
-CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
-  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+CUTE_DEVICE uint64_t evict_last_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+CUTE_DEVICE void bulk_reduce_add_f32(float* gmem, const float* smem, uint32_t bytes) {
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;"
-               ::"l"(gmem), "r"(s), "r"(bytes), "l"(policy) : "memory");
+               ::"l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(evict_last_policy()) : "memory");
+}
+CUTE_DEVICE void bulk_store_f32(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;"
+               ::"l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes), "l"(evict_last_policy()) : "memory");
 }
 CUTE_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // All committed bulk operations have finished reading shared memory.

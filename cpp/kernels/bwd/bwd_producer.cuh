@@ -61,11 +61,12 @@ CUTE_DEVICE auto qdo_head_tiles(MainParams<Tr> const& p, int h, int b) {
 }
 
 // Producer, one elected thread: K and V of key block n_block once, then for every (pass, query
-// head of kv head hk's group, query block in [m_begin, m_end)) Q and dO (TMA) and the block's
-// LSE and D (1D bulk copies) into the kStages ring, in the order the consumers walk the steps.
+// head of kv head hk's group, query block in [m_begin, m_end) from m_first, first_query_block)
+// Q and dO (TMA) and the block's LSE and D (1D bulk copies) into the kStages ring, in the order
+// the consumers walk the steps.
 template <class Tr>
 CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedStorage& ss, int n_block, int hk,
-                                   int b, int group, int m_begin, int m_end) {
+                                   int b, int group, int m_begin, int m_end, int m_first) {
   using TxBar = cutlass::arch::ClusterTransactionBarrier;
   using ClusterBar = cutlass::arch::ClusterBarrier;
   using Loads = BwdLoads<Tr>;
@@ -80,14 +81,15 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
     // and b decoded from the 1D grid rather than read from blockIdx, fewer loop values keep the
     // 24-register producer free of spills.
     const int h_first = hk * group, h_end = h_first + group;
-    int64_t row0 = ((int64_t(b) * p.heads_q + h_first) * p.m_blocks + m_begin) * kBlockM;
+    int64_t row0 = (int64_t(b) * p.heads_q + h_first) * p.m_blocks * kBlockM;
     #pragma unroll 1
     for (int h = h_first; h < h_end; ++h, row0 += int64_t(p.m_blocks) * kBlockM) {
       auto [tQgQ, tdOgdO] = qdo_head_tiles(p, h, b);
-      const float* lse = p.lse_log2 + row0;
-      const float* dpsum = p.dpsum + row0;
+      int m = m_first;
       #pragma unroll 1
-      for (int m = m_begin; m < m_end; ++m, lse += kBlockM, dpsum += kBlockM) {
+      do {
+        const float* lse = p.lse_log2 + row0 + m * kBlockM;
+        const float* dpsum = p.dpsum + row0 + m * kBlockM;
         ClusterBar::wait(&ss.empty[stage], phase ^ 1);
         uint64_t* const do_full = &ss.full_do[stage];  // dO + D; Q + LSE on full[stage]
         TxBar::arrive_and_expect_tx(&ss.full[stage], Loads::kBytesHalfStage);
@@ -97,7 +99,8 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
         SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
         SM90_BULK_COPY_G2S::copy(dpsum, do_full, ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
         if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
-      }
+        if (++m == m_end) m = m_begin;  // wrap to the range's start
+      } while (m != m_first);
     }
   }
 }
