@@ -189,7 +189,7 @@ CUTE_DEVICE void dq_writer(MainParams<Tr> const& p, typename Tr::SharedStorage& 
     int m = m_first;
     #pragma unroll 1
     do {
-      const int next = m + 1 == m_end ? m_begin : m + 1;
+      const int next = next_query_block(m, m_begin, m_end);
       dq_writer_step(p, ss, p.dq_accum + (head_rows + m) * (kBlockM * kHeadDim), p.dq_sem + head_rows + m,
                      first_key0, m, m_begin, n_block, lane0, hi + 1 < group || next != m_first);
       m = next;

@@ -73,6 +73,9 @@ CUTE_DEVICE int first_query_block(MainParams<Tr> const& p, int n_block, int m_be
   return m_begin;
 }
 
+// The walk's query block after m: the next one, wrapping at m_end to m_begin (first_query_block).
+CUTE_DEVICE int next_query_block(int m, int m_begin, int m_end) { return m + 1 == m_end ? m_begin : m + 1; }
+
 // This CTA's work in the main kernel: the unit (key block, kv head, batch), decoded from the 1D
 // grid in the longest-first section order (bwd_order.cuh), and its query blocks [m_begin, m_end);
 // slot >= 0 when it runs a share of a tail unit (BwdTailSplit), its dK/dV workspace slot.

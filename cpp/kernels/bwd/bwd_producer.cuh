@@ -99,7 +99,7 @@ CUTE_DEVICE void load_kv_and_steps(MainParams<Tr> const& p, typename Tr::SharedS
         SM90_BULK_COPY_G2S::copy(lse, &ss.full[stage], ss.lse.data() + stage * kBlockM, Loads::kBytesRow);
         SM90_BULK_COPY_G2S::copy(dpsum, do_full, ss.dpsum.data() + stage * kBlockM, Loads::kBytesRow);
         if (++stage == Tr::kStages) { stage = 0; phase ^= 1; }
-        if (++m == m_end) m = m_begin;  // wrap to the range's start
+        m = next_query_block(m, m_begin, m_end);
       } while (m != m_first);
     }
   }
