@@ -127,6 +127,17 @@ def test_windows(left, right):
     _check(1, 600, 700, 2, 2, d, jnp.bfloat16, left=left, right=right)
 
 
+# Steps in which one consumer warpgroup's 64 keys see none of the step's rows, which it skips
+# (kSkipMaskedWg, bwd_main.cuh; d 96 and 128): the causal diagonal (warpgroup 1), a narrow
+# window (either warpgroup), keys past seqlen_k (sk = 900: warpgroup 1 of the last key block
+# has none).
+@pytest.mark.parametrize("d", [96, 128])
+@pytest.mark.parametrize("sq,sk,left,right", [(700, 900, UNB, 0), (900, 700, 40, 0), (640, 640, 32, 16)],
+                         ids=["causal-sk900", "window40", "window32-16"])
+def test_masked_warpgroup_steps(d, sq, sk, left, right):
+    _check(1, sq, sk, 2, 1, d, jnp.bfloat16, left=left, right=right)
+
+
 def test_fully_masked_rows_are_zero():
     """sq > sk causal: the first sq - sk query rows see no key (lse = -inf): zero dq, no NaN."""
     d = _first_compiled()

@@ -8,7 +8,9 @@
 //   * interior_row_range (the backward's per-sub-step interior test) gives exactly
 //     block_is_interior's answer, key bound included;
 //   * zero_if_masked zeroes exactly the invisible elements, and its key-bound-only form
-//     (problems without a band) exactly the keys past seqlen_k.
+//     (problems without a band) exactly the keys past seqlen_k;
+//   * the backward's masked steps (bwd_main.cuh, kSkipMaskedWg): query_block_range of a
+//     warpgroup's 64 keys, row by row, skips a step exactly when no row of it sees those keys.
 // Then interior_row_range against block_is_interior on long sequences (no brute force).
 #include <cstdio>
 #include <cstdlib>
@@ -29,11 +31,13 @@ int main() {
       int mb, me; band.query_block_range(n, BN, BM, mb, me);
       for (int m = 0; m < mblocks; ++m) {
         bool touch = false, all = true, zero_ok = true;
+        bool wg_touch[2] = {false, false};  // a row of the step sees a key of consumer warpgroup 0 / 1
         for (int i = m * BM; i < std::min(m * BM + BM, sq); ++i)
           for (int j = n * BN; j < n * BN + BN; ++j) {
             long long rel = (long long)j - i - (sk - sq);
             bool vis = j < sk && rel >= -wl && rel <= wr;
             touch |= vis; all &= vis;
+            wg_touch[(j - n * BN) / 64] |= vis;
             float v = 1.f;
             band.zero_if_masked(v, i, j);
             if ((v != 0.f) != vis) zero_ok = false;
@@ -44,6 +48,14 @@ int main() {
             }
           }
         bool in = m >= mb && m < me;
+        // The masked-step test of each consumer warpgroup (64 keys) on this step, as the kernel
+        // forms it (rows past seqlen_q included in the step), against brute force.
+        bool masked_ok = true;
+        for (int wg = 0; wg < 2; ++wg) {
+          int rb, re; band.query_block_range(n * 2 + wg, BN / 2, 1, rb, re);
+          const bool skip = m * BM + BM <= rb || m * BM >= re;
+          if (skip == wg_touch[wg]) masked_ok = false;
+        }
         const int row_hi = std::min(m * BM + BM, sq) - 1;
         int nb, ne; band.key_block_range(m * BM, row_hi, BN, nb, ne);
         bool in2 = ((long long)wl + wr >= 0) && n >= nb && n < ne;
@@ -58,11 +70,11 @@ int main() {
         int rmin, rmax; band.interior_row_range(n * BN, BN, rmin, rmax);
         bool interior_rows = m * BM >= rmin && row_hi <= rmax;
         if (in != touch || in2 != touch || (interior && !all) || interior_rows != interior || !zero_ok ||
-            !first_ok) {
+            !first_ok || !masked_ok) {
           if (bad < 10)
             printf("sq %d sk %d wl %d wr %d m %d n %d: touch %d in %d in2 %d interior %d all %d rows %d "
-                   "zero_ok %d first_ok %d\n",
-                   sq, sk, wl, wr, m, n, touch, in, in2, interior, all, interior_rows, zero_ok, first_ok);
+                   "zero_ok %d first_ok %d masked_ok %d\n",
+                   sq, sk, wl, wr, m, n, touch, in, in2, interior, all, interior_rows, zero_ok, first_ok, masked_ok);
           ++bad;
         }
         ++cases;

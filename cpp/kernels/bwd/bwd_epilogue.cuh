@@ -95,8 +95,9 @@ struct DKVStore<Tr, true> {
 //    has passed that barrier (a 256-thread sync) before leaving the loop, so the other warpgroup
 //    reads only stage (steps - 1) % kStages, its dS buffer, K and its own V rows from now on.
 //    kPasses == 1 makes the DsFull barrier part of every step; kStages >= 2 makes fs a second stage.
-//    kPingPong (no DsFull barrier): the last dQ GEMM after the loop waits on ds_full of step
-//    steps - 1, which the other warpgroup arrives on after that step's first WGMMA wait: the same
+//    kDsFullMbar (no DsFull barrier): the dQ GEMM of step steps - 1 (kPingPong: after the loop)
+//    waits on that step's ds_full, which the other warpgroup arrives on after its first WGMMA wait
+//    of the step (a masked step issues none: it retires the previous step's dK first): the same
 //    order.
 // Each warp owns 16 key rows of the WGMMA C layout, so it writes its rows with stmatrix, fences
 // (generic -> async proxy), and one lane stores its (16, head dim) boxes of dK and dV by TMA:

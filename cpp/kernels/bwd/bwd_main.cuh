@@ -208,6 +208,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
     else return thr_dq.partition_fragment_A(sdS);
   }();
 
+  // A sub-step's S^T / dP^T accumulator (keys x kBlockMSdP queries).
+  using FragSdP = decltype(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
   // Coordinates (key row, query column of the sub-step) of this thread's S^T accumulator elements.
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
   // Coordinates (key row, column) of this thread's dK/dV accumulator elements.
@@ -229,6 +231,12 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   int iq_min = 0, iq_max = 0x7fffffff;
   if constexpr (Tr::kMaskRows) band.interior_row_range(n0, kBlockN, iq_min, iq_max);
   if constexpr (kDocs) p.docs.narrow_interior_rows(b, n0, min(n0 + kBlockN, p.seqlen_k) - 1, iq_min, iq_max);
+
+  // kSkipMaskedWg: the query rows [wg_rows_begin, wg_rows_end) that see some of this warpgroup's
+  // 64 keys (empty: none, e.g. keys past seqlen_k); the steps outside them are masked steps (below).
+  int wg_rows_begin = 0, wg_rows_end = 0;
+  if constexpr (Tr::kSkipMaskedWg)
+    band.query_block_range(n_block * Tr::kNumMmaWG + wg, kBlockN / Tr::kNumMmaWG, 1, wg_rows_begin, wg_rows_end);
 
   if (has_work) TxBar::wait(&ss.kv_full, 0);
 
@@ -254,10 +262,10 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
   static_assert(kBarDsFree == kBarDsFull + 1);
   turn.start();
   using ClusterBar = cutlass::arch::ClusterBarrier;
-  // Issue the dQ GEMM of step it_ds on its dS buffer (kPingPong: once both warpgroups stored it).
+  // Issue the dQ GEMM of step it_ds on its dS buffer (kDsFullMbar: once both warpgroups stored it).
   auto issue_dq = [&](auto& tdQrdQ, int it_ds) {
     const int s = it_ds % kStagesdS;
-    if constexpr (Tr::kPingPong) ClusterBar::wait(&ss.ds_full[s], (it_ds / kStagesdS) & 1);
+    if constexpr (Tr::kDsFullMbar) ClusterBar::wait(&ss.ds_full[s], (it_ds / kStagesdS) & 1);
     if constexpr (Tr::kDQSwapAB) {
       Tensor tdQrK = thr_dq.partition_fragment_A(sKt);
       wgmma_gemm<true, -1>(mma_dq, tdQrK, tdQrdS(_, _, _, s), tdQrdQ);
@@ -265,6 +273,29 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
       Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
       wgmma_gemm<true, -1>(mma_dq, tdQrdS(_, _, _, s), tdQrK, tdQrdQ);
     }
+  };
+  // dS^T of sub-step sub (rdS) into dS buffer ds_stage of step it, once that buffer is free;
+  // fence and barrier in ds_stored.
+  auto store_ds = [&](auto const& rdS, int sub, int ds_stage) {
+    // With one dS buffer the other warpgroup may still read it (previous dQ GEMM).
+    if (kStagesdS == 1 && sub == 0) cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
+    // kPingPong: both warpgroups' dQ GEMMs of this buffer's last use (step it - kStagesdS) done.
+    if constexpr (Tr::kPingPong) ClusterBar::wait(&ss.ds_empty[ds_stage], ((it / kStagesdS) & 1) ^ 1);
+    copy(ds_copy, thr_ds_copy.retile_S(rdS), tdSsdS(_, _, _, 0, sub, ds_stage));
+  };
+  // This warpgroup's part of the dS tile in buffer ds_stage is complete: to the dQ GEMM.
+  auto ds_stored = [&](int ds_stage) {
+    cutlass::arch::fence_view_async_shared();
+    if constexpr (Tr::kDsFullMbar) ClusterBar::arrive(&ss.ds_full[ds_stage]);
+    else cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
+  };
+  // The dQ GEMM of step it_dq has been waited for: its dS buffer is free (kPingPong), its tile
+  // goes out (h, m: the step's; read only by the consumers' own adds, not by the smem path that
+  // kPingPong takes, whose writer walks the steps in order).
+  auto dq_done = [&](auto& tdQrdQ, int it_dq, int h, int m) {
+    warpgroup_fence_operand(tdQrdQ);
+    if constexpr (Tr::kPingPong) ClusterBar::arrive(&ss.ds_empty[it_dq % kStagesdS]);
+    dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
   };
   for (int pass = 0; pass < Tr::kPasses; ++pass) {
     Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<Tr::kHdPass>>{});
@@ -297,6 +328,36 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         const int prev_stage = (it + kStages - 1) % kStages;
         const bool pending = Tr::kOverlapDK && it != it_pass;
         TxBar::wait(&ss.full[stage], phase);
+        // kSkipMaskedWg, the masked step: this warpgroup's keys see none of the step's rows (causal:
+        // warpgroup 1 on each key block's diagonal step), so P = dS = 0 there: no S^T / dP^T / dV
+        // / dK GEMM and no exponentials; only its zero half of dS for the dQ GEMM, the dQ GEMM
+        // and the step's barriers and hand-offs, in the order of a full step.
+        if (Tr::kSkipMaskedWg && (m0 + kBlockM <= wg_rows_begin || m0 >= wg_rows_end)) {
+          hand_held_dq();
+          if (it > it_pass) turn.signal();
+          if (pending) {  // the previous step's dK retires here
+            warpgroup_wait<0>();
+            warpgroup_fence_operand(tdKrdK);
+            release(prev_stage);
+          }
+          if (dq_pass) {
+            Tensor rdS = make_tensor<Element>(FragSdP{}.layout());
+            fill(rdS, Element(0));
+            store_ds(rdS, 0, ds_stage);
+            ds_stored(ds_stage);
+          }
+          turn.wait();
+          if (dq_pass && (!Tr::kPingPong || it > it_pass)) {
+            const int it_dq = Tr::kPingPong ? it - 1 : it;
+            Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
+            issue_dq(tdQrdQ, it_dq);
+            warpgroup_wait<0>();
+            dq_done(tdQrdQ, it_dq, h, m);
+          }
+          if constexpr (!Tr::kOverlapDK) release(stage);  // else in the next step, as after a full step
+          ++it;
+          continue;
+        }
         // dO and D are waited for right before the first dP^T: S^T is issued first (ABBA:
         // +1.2% geomean, up to +3.3% at hd64 causal 8k).
         auto wait_do = [&](int sub) {
@@ -305,7 +366,6 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
 
         // kSdPAhead: every sub-step's S^T and dP^T issued here (see above).
         constexpr int kAhead = Tr::kSdPAhead ? 2 * (Tr::kSubM - 1) : 0;
-        using FragSdP = decltype(partition_fragment_C(mma_sdp, Shape<Int<kBlockN>, Int<kBlockMSdP>>{}));
         FragSdP tSrS_sub[Tr::kSdPAhead ? Tr::kSubM : 1], tdPrdP_sub[Tr::kSdPAhead ? Tr::kSubM : 1];
         if constexpr (Tr::kSdPAhead) {
           CUTLASS_PRAGMA_UNROLL
@@ -338,16 +398,9 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           convert_fragment(tSrS, rP);
           Tensor rdS = make_tensor<Element>(tdPrdP.layout());
           convert_fragment(tdPrdP, rdS);
-          // dS^T of this sub-step to shared memory for the dQ GEMM; fence and barrier below.
-          auto store_ds = [&] {
-            // With one dS buffer the other warpgroup may still read it (previous dQ GEMM).
-            if (kStagesdS == 1 && sub == 0) cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFree);
-            // kPingPong: both warpgroups' dQ GEMMs of this buffer's last use (step it - kStagesdS) done.
-            if constexpr (Tr::kPingPong) ClusterBar::wait(&ss.ds_empty[ds_stage], ((it / kStagesdS) & 1) ^ 1);
-            copy(ds_copy, thr_ds_copy.retile_S(rdS), tdSsdS(_, _, _, 0, sub, ds_stage));
-          };
+          // dS^T of this sub-step to shared memory for the dQ GEMM.
           if constexpr (Tr::kDsBeforeDv) {
-            if (dq_pass) store_ds();
+            if (dq_pass) store_ds(rdS, sub, ds_stage);
           }
           turn.wait();
           // dV += P^T dO (this pass's columns).
@@ -360,12 +413,8 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           }
 
           if (dq_pass) {
-            if constexpr (!Tr::kDsBeforeDv) store_ds();
-            if (last) {  // this warpgroup's part of the dS tile is complete
-              cutlass::arch::fence_view_async_shared();
-              if constexpr (Tr::kPingPong) ClusterBar::arrive(&ss.ds_full[ds_stage]);
-              else cutlass::arch::NamedBarrier::sync(Tr::kNumMmaThreads, kBarDsFull);
-            }
+            if constexpr (!Tr::kDsBeforeDv) store_ds(rdS, sub, ds_stage);
+            if (last) ds_stored(ds_stage);
           }
           // dK += dS^T Q (this pass's columns); in the last sub-step of a dq_pass issued after
           // the dQ GEMM below.
@@ -375,8 +424,6 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
 
           // The dQ GEMM of this step, or with kPingPong of the previous one (none before the first).
-          // (h, m are this step's; only the consumers' own adds read them, not the smem path that
-          // kPingPong takes, whose writer walks the steps in order.)
           if (dq_pass && last && (!Tr::kPingPong || it > it_pass)) {
             // dQ = dS K over both warpgroups' dS (kDQSwapAB: dQ^T = K^T dS^T, this warpgroup's 64
             // columns x kBlockM); the dK issued behind it retires under the dQ hand-off.
@@ -385,9 +432,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             issue_dq(tdQrdQ, it_dq);
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
             warpgroup_wait<1>();  // dV and dQ done; dK may still run
-            warpgroup_fence_operand(tdQrdQ);
-            if constexpr (Tr::kPingPong) ClusterBar::arrive(&ss.ds_empty[it_dq % kStagesdS]);
-            dq_step_out(p, ss, tdQrdQ, b, h, m, n_block, ct, wg, t_in_wg, dq_held);
+            dq_done(tdQrdQ, it_dq, h, m);
           } else {
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
           }

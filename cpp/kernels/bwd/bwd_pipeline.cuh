@@ -45,18 +45,16 @@ CUTE_DEVICE void init_ring_barriers(typename Tr::SharedStorage& ss) {
 }
 
 // The main kernel's: those above, full_do[s] (dO + D of stage s; split-D has its own dO ring)
-// and kPingPong's dS ring (ds_full / ds_empty: every consumer thread arrives on both).
+// and the dS ring's ds_full (kDsFullMbar) and ds_empty (kPingPong): every consumer thread arrives.
 template <class Tr>
 CUTE_DEVICE void init_main_ring_barriers(typename Tr::SharedStorage& ss) {
   init_ring_barriers<Tr>(ss);
   CUTLASS_PRAGMA_UNROLL
   for (int s = 0; s < Tr::kStages; ++s) cutlass::arch::ClusterTransactionBarrier::init(&ss.full_do[s], 1);
-  if constexpr (Tr::kPingPong) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int s = 0; s < Tr::kStagesdS; ++s) {
-      cutlass::arch::ClusterBarrier::init(&ss.ds_full[s], Tr::kNumMmaThreads);
-      cutlass::arch::ClusterBarrier::init(&ss.ds_empty[s], Tr::kNumMmaThreads);
-    }
+  CUTLASS_PRAGMA_UNROLL
+  for (int s = 0; s < Tr::kStagesdS; ++s) {
+    if constexpr (Tr::kDsFullMbar) cutlass::arch::ClusterBarrier::init(&ss.ds_full[s], Tr::kNumMmaThreads);
+    if constexpr (Tr::kPingPong) cutlass::arch::ClusterBarrier::init(&ss.ds_empty[s], Tr::kNumMmaThreads);
   }
 }
 

@@ -229,6 +229,11 @@ struct BwdTraitsT {
   // kUniformWg: the warpgroup index from a warp shuffle, which ptxas knows is warp-uniform (WGMMA
   // descriptors in uniform registers, no R2UR per step). Not hd192: it spilled 36/76 B there.
   static constexpr bool kUniformWg = kDQSmem;
+  // kSkipMaskedWg: a warpgroup whose 64 keys no row of the step sees (warpgroup 1 on the causal
+  // diagonal's first step; keys past seqlen_k) skips its S^T, dP^T, dV and dK GEMMs and the P / dS
+  // math there (bwd_main.cuh, the masked step). One sub-step per step only: hd64's 128-row steps
+  // reach both warpgroups' keys on the causal diagonal. Not hd192 (it spilled 24-68 B there).
+  static constexpr bool kSkipMaskedWg = kSubM == 1 && !kNoBand && kDQSmem;
   // kPingPong (BwdTileHd128PingPong, BwdTileHd128FullPingPong):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
   //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
@@ -238,6 +243,12 @@ struct BwdTraitsT {
   //    round robin (WarpgroupPingPong) on barrier ids 0 and 1: the DsFull / DsFree ids, which
   //    these tiles do not use.
   static constexpr bool kPingPong = TilePingPong<Tile>::value;
+  // kDsFullMbar: each thread arrives on the mbarrier ds_full[s] after its dS^T stores and the dQ
+  // GEMM of buffer s waits on it, instead of both warpgroups syncing on the DsFull named barrier.
+  // kPingPong's lag needs it; with kSkipMaskedWg a warpgroup reaches the hand-off from either step
+  // form (two instruction sites), which bar.sync does not allow (PTX .aligned: one site for all
+  // its threads; compute-sanitizer synccheck reports it).
+  static constexpr bool kDsFullMbar = kPingPong || kSkipMaskedWg;
   static_assert(!kPingPong || (kStagesdS >= 2 && kPasses == 1 && kBlockM == kBlockMSdP && kDQSmem),
                 "dQ lag: a dS buffer is written again two or more steps on; one pass, one sub-step, the "
                 "dQ writer");
@@ -326,7 +337,7 @@ struct BwdTraitsT {
     uint64_t full[kStages];
     uint64_t empty[kStages];
     uint64_t full_do[kStages];  // dO + D of stage s (full[s]: Q + LSE)
-    uint64_t ds_full[kPingPong ? kStagesdS : 1], ds_empty[kPingPong ? kStagesdS : 1];  // kPingPong's dS ring
+    uint64_t ds_full[kDsFullMbar ? kStagesdS : 1], ds_empty[kPingPong ? kStagesdS : 1];  // the dS ring's
   };
   // +1024: the dynamic smem base is aligned up to 1024 B in the kernel (swizzle atoms).
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;

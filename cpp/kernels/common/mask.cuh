@@ -73,6 +73,7 @@ struct BandMask {
     if ((long long)left + right < 0) return;  // empty band
     int n0 = n_block * block_n;
     int n_last = min(n0 + block_n, seqlen_k) - 1;
+    if (n_last < n0) return;  // no key (a backward warpgroup's half block past seqlen_k)
     long long lo = (long long)n0 - offset() - right;
     long long hi = (long long)n_last - offset() + left;
     if (lo < 0) lo = 0;
