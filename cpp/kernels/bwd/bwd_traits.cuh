@@ -236,9 +236,8 @@ struct BwdTraitsT {
   static constexpr bool kSkipMaskedWg = kSubM == 1 && !kNoBand && kDQSmem;
   // kPingPong (BwdTileHd128PingPong, BwdTileHd128FullPingPong):
   //  - step i's dQ GEMM runs in step i + 1 (the last one after the loop) on dS buffer
-  //    i % kStagesdS. Each thread arrives on ds_full[s] after its dS^T stores and on ds_empty[s]
-  //    once its dQ GEMM has read buffer s, instead of both warpgroups syncing on the DsFull named
-  //    barrier every step;
+  //    i % kStagesdS, handed over on ds_full[s] (kDsFullMbar, below); each thread arrives on
+  //    ds_empty[s] once its dQ GEMM has read buffer s;
   //  - the warpgroups issue their batches (dV, the lagged dQ, dK, then the next step's S^T / dP^T)
   //    round robin (WarpgroupPingPong) on barrier ids 0 and 1: the DsFull / DsFree ids, which
   //    these tiles do not use.
