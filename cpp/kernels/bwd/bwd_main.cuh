@@ -327,6 +327,9 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
         const int ds_stage = it % kStagesdS;
         const int prev_stage = (it + kStages - 1) % kStages;
         const bool pending = Tr::kOverlapDK && it != it_pass;
+        // The dQ GEMM of this step, or with kPingPong of the previous one (none before the first).
+        const bool dq_now = dq_pass && (!Tr::kPingPong || it > it_pass);
+        const int it_dq = Tr::kPingPong ? it - 1 : it;
         TxBar::wait(&ss.full[stage], phase);
         // kSkipMaskedWg, the masked step: this warpgroup's keys see none of the step's rows (causal:
         // warpgroup 1 on each key block's diagonal step), so P = dS = 0 there: no S^T / dP^T / dV
@@ -347,8 +350,7 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
             ds_stored(ds_stage);
           }
           turn.wait();
-          if (dq_pass && (!Tr::kPingPong || it > it_pass)) {
-            const int it_dq = Tr::kPingPong ? it - 1 : it;
+          if (dq_now) {
             Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
             issue_dq(tdQrdQ, it_dq);
             warpgroup_wait<0>();
@@ -423,11 +425,10 @@ CUTE_DEVICE void consumer(MainParams<Tr> const& p, char* smem_raw) {
           Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt_p);
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
 
-          // The dQ GEMM of this step, or with kPingPong of the previous one (none before the first).
-          if (dq_pass && last && (!Tr::kPingPong || it > it_pass)) {
-            // dQ = dS K over both warpgroups' dS (kDQSwapAB: dQ^T = K^T dS^T, this warpgroup's 64
-            // columns x kBlockM); the dK issued behind it retires under the dQ hand-off.
-            const int it_dq = Tr::kPingPong ? it - 1 : it;
+          // dQ = dS K over both warpgroups' dS (kDQSwapAB: dQ^T = K^T dS^T, this warpgroup's 64
+          // columns x kBlockM), after the last sub-step; the dK issued behind it retires under the
+          // dQ hand-off.
+          if (dq_now && last) {
             Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Tr::DQTileShape{});
             issue_dq(tdQrdQ, it_dq);
             wgmma_gemm<false, -1>(mma_dkv, tdKrdS, tdKrQ, tdKrdK);
